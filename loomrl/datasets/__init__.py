@@ -1,0 +1,1 @@
+"""Webdataset prompt shards: the demo generator, writer and reader."""

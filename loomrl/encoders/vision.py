@@ -1,0 +1,78 @@
+"""Qwen2-VL vision tower and its image preprocessing, without torchvision.
+
+Preprocessing follows transformers' Qwen2-VL image processor: resize so both
+sides are multiples of patch_size * merge_size (smart_resize), rescale to
+[0, 1], normalise with the CLIP mean/std, repeat the still frame to fill the
+temporal patch, and flatten into patches ordered so the merger's 2x2 groups
+are contiguous. Returns (patches [N, C*T*P*P], grid_thw [3]).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from PIL import Image
+
+from loomrl.platform.recipe import VisionConfig
+
+CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
+CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's resize rule: multiples of `factor`, area within [min, max], aspect kept."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"image aspect ratio {height}x{width} is above 200")
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def preprocess_image(image: Image.Image, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    factor = cfg.patch_size * cfg.spatial_merge_size
+    image = image.convert("RGB")
+    h, w = smart_resize(image.height, image.width, factor, cfg.min_pixels, cfg.max_pixels)
+    if (h, w) != (image.height, image.width):
+        image = image.resize((w, h), Image.BICUBIC)
+    x = (np.asarray(image, dtype=np.float32) / 255.0 - CLIP_MEAN) / CLIP_STD  # H, W, C
+    x = x.transpose(2, 0, 1)[None]  # 1, C, H, W
+    tps, ps, m = cfg.temporal_patch_size, cfg.patch_size, cfg.spatial_merge_size
+    x = np.repeat(x, tps, axis=0)  # a still image fills the temporal patch
+    c = x.shape[1]
+    gt, gh, gw = 1, h // ps, w // ps
+    x = x.reshape(gt, tps, c, gh // m, m, ps, gw // m, m, ps)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    patches = x.reshape(gt * gh * gw, c * tps * ps * ps)
+    return torch.from_numpy(np.ascontiguousarray(patches)), torch.tensor([gt, gh, gw])
+
+
+def num_image_tokens(grid_thw: torch.Tensor, cfg: VisionConfig) -> int:
+    return int(grid_thw.prod()) // (cfg.spatial_merge_size ** 2)
+
+
+def build_vision_tower(cfg: VisionConfig, out_dim: int, init_std: float):
+    """Qwen2-VL vision transformer; its merger projects into the backbone width."""
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    hf = Qwen2VLVisionConfig(
+        depth=cfg.depth, embed_dim=cfg.embed_dim, hidden_size=out_dim, num_heads=cfg.num_heads,
+        patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+        spatial_merge_size=cfg.spatial_merge_size, initializer_range=init_std, in_channels=3,
+    )
+    hf._attn_implementation = "sdpa"
+    return Qwen2VisionTransformerPretrainedModel._from_config(hf)
+
+
+def encode_images(tower, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    """Merged image tokens [sum(tokens), out_dim] for concatenated patches."""
+    return tower(patches, grid_thw=grids).pooler_output

@@ -1,0 +1,1 @@
+"""RL objectives."""

@@ -1,0 +1,1 @@
+"""The language backbone, the VLM assembly and tokenizers."""

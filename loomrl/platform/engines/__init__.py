@@ -1,0 +1,1 @@
+"""Training engines behind one seam: torch (default); DeepSpeed and Megatron-core later."""

@@ -1,0 +1,56 @@
+"""The built-in training engine: one process, AdamW, gradient accumulation over
+micro-batches, global-norm clipping."""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from loomrl.platform.recipe import TrainingConfig
+
+LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TorchTrainEngine:
+    def __init__(self, model: nn.Module, cfg: TrainingConfig, lr: float | None = None):
+        self.model = model
+        self.cfg = cfg
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay)
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def train_mini_batch(self, micro_batches: list, loss_fn: LossFn) -> dict[str, float]:
+        """Forward/backward every micro-batch (loss_fn returns a loss already scaled
+        to its share of the mini-batch), then one optimizer step. Returns summed stats."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for mb in micro_batches:
+            loss, stats = loss_fn(self.model, mb)
+            loss.backward()
+            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.cfg.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        totals["grad_norm"] = float(norm)
+        self.optimizer.step()
+        return totals
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Named tensors for a rollout engine (tied lm_head included by name)."""
+        yield from self.model.state_dict().items()
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])

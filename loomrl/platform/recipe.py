@@ -1,0 +1,483 @@
+"""The recipe: the single source of truth for a run.
+
+A recipe is a YAML file mapped onto the typed dataclasses below, plus
+`key.path=value` overrides from the command line. Every field is documented
+where it is declared. Anything wrong (unknown key, wrong type, value outside
+the allowed set, missing file) raises `RecipeError` naming the key path, before
+any work starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run: the message names the key path or file."""
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass
+class VisionConfig:
+    """Qwen2-VL vision tower (transformers' Qwen2VisionTransformerPretrainedModel)."""
+
+    depth: int = 2
+    """Transformer blocks in the vision tower."""
+    embed_dim: int = 64
+    """Width of the vision transformer."""
+    num_heads: int = 4
+    """Attention heads in the vision tower."""
+    patch_size: int = 14
+    """Spatial patch size in pixels (Qwen2-VL: 14)."""
+    temporal_patch_size: int = 2
+    """Frames per patch; a still image is repeated to fill it (Qwen2-VL: 2)."""
+    spatial_merge_size: int = 2
+    """Patches merged per side into one language token by the merger (Qwen2-VL: 2)."""
+    min_pixels: int = 56 * 56
+    """Lower bound on resized image area (Qwen2-VL's smart_resize)."""
+    max_pixels: int = 56 * 56
+    """Upper bound on resized image area; the demo keeps images at 56x56 = 4 tokens."""
+
+
+@dataclass
+class AudioConfig:
+    """Qwen2-Audio (Whisper-style) audio tower and its log-mel front end."""
+
+    layers: int = 2
+    """Transformer layers in the audio encoder."""
+    d_model: int = 64
+    """Width of the audio encoder."""
+    num_heads: int = 4
+    """Attention heads in the audio encoder."""
+    ffn_dim: int = 128
+    """Feed-forward width in the audio encoder."""
+    num_mel_bins: int = 80
+    """Mel bins of the log-mel spectrogram (Whisper: 80, Qwen2-Audio: 128)."""
+    sample_rate: int = 16000
+    """Audio is resampled to this rate, mono."""
+    clip_seconds: float = 1.0
+    """Clips are padded or cut to this length; it fixes the encoder's positions
+    (100 mel frames per second, 4 frames per output token)."""
+
+
+@dataclass
+class ModelConfig:
+    """A Qwen-VL-style model: vision + audio towers, projectors, Qwen2 decoder."""
+
+    tokenizer: str = "demo"
+    """`demo` builds the demo task's word-level tokenizer; otherwise a local
+    Hugging Face tokenizer folder (nothing is downloaded)."""
+    hidden_size: int = 64
+    """Width of the language backbone."""
+    num_layers: int = 2
+    """Decoder layers of the language backbone."""
+    num_heads: int = 4
+    """Query heads of the backbone attention."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = 128
+    """SwiGLU MLP width."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of the RMSNorms."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding with the LM head (as small Qwen2 models do)."""
+    init_std: float = 0.02
+    """Std of the random initialisation (models are built from config)."""
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    """The vision tower."""
+    audio: AudioConfig = field(default_factory=AudioConfig)
+    """The audio tower."""
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class DemoDataConfig:
+    """Procedural demo shards, written when `data.shards` matches nothing."""
+
+    samples: int = 768
+    """Samples to generate."""
+    samples_per_shard: int = 256
+    """Samples per tar shard."""
+    seed: int = 1234
+    """Seed of the procedural generator (same seed, same bytes)."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt shards (webdataset tars)."""
+
+    shards: str = "data/demo/demo-*.tar"
+    """Shard pattern: a glob or a brace range (`dir/name-{000000..000003}.tar`),
+    relative to the working directory."""
+    demo: Optional[DemoDataConfig] = None
+    """If set and `shards` matches nothing, generate the demo shards there.
+    If null, missing shards are an error."""
+    seed: int = 0
+    """Seed of the epoch shuffle of prompts."""
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+@dataclass
+class RolloutConfig:
+    """How rollouts are generated."""
+
+    engine: Literal["torch"] = "torch"
+    """Rollout engine. `torch`: the built-in KV-cached engine (colocated with
+    the trainer, shares its weights)."""
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are reported for logits / temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    max_new_tokens: int = 20
+    """Completion length cap."""
+
+
+# --------------------------------------------------------------------------- algorithm
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL objective."""
+
+    name: Literal["grpo"] = "grpo"
+    """Algorithm. `grpo`: group-relative advantages, PPO-clipped ratio."""
+    reward: str = "slot_match"
+    """Reward callable: a registry name (see loomrl.platform.rewards) or
+    `module:function`. Called as fn(completion: str, sample: dict) -> float."""
+    clip_eps: float = 0.2
+    """PPO clip range of the probability ratio."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the reference policy (the policy at
+    the start of RL) in the loss; 0 disables it and the reference model."""
+    scale_rewards: bool = True
+    """Divide group advantages by the group's reward std (GRPO); false keeps
+    only the mean subtraction (Dr. GRPO)."""
+    epochs: int = 1
+    """Passes over each step's rollouts (PPO epochs)."""
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass
+class WarmupConfig:
+    """Optional supervised warm-up before RL."""
+
+    steps: int = 0
+    """SFT optimizer steps before RL (0 = none)."""
+    batch_size: int = 32
+    """Samples per warm-up step."""
+    lr: float = 3e-3
+    """Learning rate of the warm-up."""
+    target: Literal["answer", "format"] = "format"
+    """`answer`: imitate the reference answers. `format`: imitate answers whose
+    slot words are drawn at random from their choices, teaching the sentence
+    format but not the content (samples need `template`/`choices` metadata);
+    RL then has to learn the content from the reward alone."""
+
+
+@dataclass
+class TrainingConfig:
+    """The optimisation loop."""
+
+    engine: Literal["torch"] = "torch"
+    """Training engine. `torch`: single process, the embedded default."""
+    steps: int = 100
+    """RL steps (one rollout batch and one or more optimizer steps each)."""
+    prompts_per_step: int = 8
+    """Prompts per RL step; each is sampled `rollout.n` times."""
+    mini_batches: int = 1
+    """Optimizer steps per RL step per epoch (the batch is split into this many)."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    seed: int = 0
+    """Seed of model init and sampling."""
+    deterministic: bool = True
+    """Deterministic torch algorithms (bit-identical CPU runs for a seed)."""
+    threads: int = 0
+    """torch intra-op threads (0 = torch's default)."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """Supervised warm-up stage."""
+
+
+@dataclass
+class LoggingConfig:
+    """What a run writes and shows."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files into the run directory."""
+    progress: bool = True
+    """Show a progress bar with the live reward."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints: safetensors weights + optimizer state, written atomically."""
+
+    every: int = 0
+    """Write a checkpoint every N RL steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Keep the newest K checkpoints."""
+
+
+@dataclass
+class GoalConfig:
+    """A pass/fail check of the reward curve, printed in the run summary."""
+
+    first_steps: int = 5
+    """Baseline: mean reward over the first N RL steps."""
+    last_steps: int = 10
+    """Result: mean reward over the last N RL steps."""
+    min_final: float = 0.8
+    """The result must reach this."""
+    min_gain: float = 0.3
+    """The result must exceed the baseline by this."""
+
+
+@dataclass
+class Recipe:
+    """A whole run."""
+
+    name: str = "run"
+    """Name of the run (used for the default output folder)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    goal: Optional[GoalConfig] = None
+    """If set, the summary checks the reward curve and `loomrl run` exits 3 when it misses."""
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(value, inner[0], path)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise RecipeError(f"{path}: {value!r} is not allowed; allowed values: "
+                              + ", ".join(repr(a) for a in allowed))
+        return value
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise RecipeError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+        return _build(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise RecipeError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise RecipeError(f"{path}: unsupported field type {tp}")  # a bug in this file, not the recipe
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else key
+            raise RecipeError(f"{where}: unknown key; allowed keys here: {', '.join(names)}")
+    kwargs = {}
+    for name in names:
+        if name in data:
+            where = f"{prefix}.{name}" if prefix else name
+            kwargs[name] = _convert(data[name], hints[name], where)
+    return cls(**kwargs)
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply one `key.path=value` (value parsed as YAML) to a raw recipe dict."""
+    if "=" not in override:
+        raise RecipeError(f"override {override!r}: expected key.path=value")
+    key, raw = override.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise RecipeError(f"override {key}: cannot parse value {raw!r}: {e}") from None
+    parts = key.strip().split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise RecipeError(f"override {key}: {'.'.join(parts[:i + 1])} is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def expand_pattern(pattern: str) -> list[str]:
+    """Shard files matched by a glob or brace range, sorted; only existing files."""
+    from braceexpand import braceexpand  # webdataset's dependency
+
+    files: set[str] = set()
+    for p in braceexpand(pattern):
+        files.update(glob.glob(p))
+    return sorted(files)
+
+
+def resolve_callable(spec: str) -> Any:
+    """A reward (or other) function from a registry name or `module:function`."""
+    from loomrl.platform.rewards import REGISTRY
+
+    if spec in REGISTRY:
+        return REGISTRY[spec]
+    if ":" not in spec:
+        raise RecipeError(f"algorithm.reward: {spec!r} is neither a registered reward "
+                          f"({', '.join(sorted(REGISTRY))}) nor module:function")
+    mod, fn = spec.split(":", 1)
+    try:
+        obj = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise RecipeError(f"algorithm.reward: cannot load {spec!r}: {e}") from None
+    if not callable(obj):
+        raise RecipeError(f"algorithm.reward: {spec!r} is not callable")
+    return obj
+
+
+def validate(r: Recipe) -> None:
+    """Checks across fields and against the file system."""
+    positive = {
+        "rollout.n": r.rollout.n, "rollout.max_new_tokens": r.rollout.max_new_tokens,
+        "training.prompts_per_step": r.training.prompts_per_step,
+        "training.mini_batches": r.training.mini_batches,
+        "training.micro_batch_size": r.training.micro_batch_size,
+        "algorithm.epochs": r.algorithm.epochs, "model.hidden_size": r.model.hidden_size,
+        "checkpoint.keep_last": r.checkpoint.keep_last,
+    }
+    for key, v in positive.items():
+        if v <= 0:
+            raise RecipeError(f"{key}: must be positive, got {v}")
+    if r.training.steps < 0:
+        raise RecipeError(f"training.steps: must be >= 0, got {r.training.steps}")
+    if r.rollout.temperature <= 0:
+        raise RecipeError("rollout.temperature: must be > 0 (log-probs are of logits / temperature)")
+    if not 0 < r.rollout.top_p <= 1:
+        raise RecipeError(f"rollout.top_p: must be in (0, 1], got {r.rollout.top_p}")
+    if r.model.num_heads % r.model.num_kv_heads or r.model.hidden_size % r.model.num_heads:
+        raise RecipeError("model.num_heads: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+    if r.rollout.n < 2:
+        raise RecipeError("rollout.n: GRPO needs at least 2 samples per prompt")
+    batch = r.training.prompts_per_step * r.rollout.n
+    if batch % r.training.mini_batches:
+        raise RecipeError(f"training.mini_batches: {batch} trajectories per step do not split "
+                          f"into {r.training.mini_batches} mini-batches")
+    if r.data.demo is None and not expand_pattern(r.data.shards):
+        raise RecipeError(f"data.shards: no files match {r.data.shards!r} (and data.demo is null, "
+                          f"so none will be generated)")
+    if r.model.tokenizer != "demo" and not Path(r.model.tokenizer).is_dir():
+        raise RecipeError(f"model.tokenizer: {r.model.tokenizer!r} is not 'demo' nor a tokenizer folder")
+    resolve_callable(r.algorithm.reward)
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
+    """Read a YAML recipe, apply overrides, type-check and validate it."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"recipe file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise RecipeError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise RecipeError(f"{path}: the top level must be a mapping")
+    for o in overrides:
+        apply_override(data, o)
+    recipe = _build(Recipe, data)
+    validate(recipe)
+    return recipe
+
+
+def to_dict(recipe: Recipe) -> dict:
+    return dataclasses.asdict(recipe)
+
+
+def dump(recipe: Recipe) -> str:
+    return yaml.safe_dump(to_dict(recipe), sort_keys=False)
+
+
+def field_docs(cls: type = Recipe, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, doc) for every field, read from this file's
+    docstrings; used to print the recipe reference."""
+    import ast
+    import inspect
+
+    src = ast.parse(inspect.getsource(cls))
+    docs: dict[str, str] = {}
+    body = src.body[0].body
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = " ".join(b.value.value.split())
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = f"{prefix}{f.name}"
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)] or [tp]
+        if dataclasses.is_dataclass(inner[0]):
+            rows.append((key, _type_name(tp), "", docs.get(f.name, inner[0].__doc__ or "")))
+            rows.extend(field_docs(inner[0], key + "."))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append((key, _type_name(tp), repr(default), docs.get(f.name, "")))
+    return rows

@@ -1,0 +1,63 @@
+"""`loomrl report DIR`: DIR/report.png with reward, loss and throughput curves."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from loomrl.platform.metrics import read_metrics
+
+
+def _smooth(values: list[float], window: int = 10) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def write_report(run_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (is {run_dir} a loomrl run folder?)")
+    rows = read_metrics(path)
+    if not rows:
+        raise ValueError(f"{path}: no steps recorded")
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    panels = [
+        (axes[0, 0], "reward_mean", "reward (mean per step)"),
+        (axes[0, 1], "loss", "policy loss"),
+        (axes[1, 0], "tokens_per_s", "rollout throughput (tokens/s)"),
+        (axes[1, 1], None, "time per step (s)"),
+    ]
+    for ax, key, title in panels:
+        if key is None:
+            for k in ("rollout_s", "train_s"):
+                ax.plot(steps, [r[k] for r in rows], label=k.replace("_s", ""))
+            ax.legend()
+        else:
+            vals = [r[key] for r in rows]
+            ax.plot(steps, vals, alpha=0.35, label="per step")
+            ax.plot(steps, _smooth(vals), label="10-step mean")
+            ax.legend()
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    warm = run_dir / "warmup.jsonl"
+    subtitle = f"{run_dir.name}: {len(rows)} RL steps"
+    if warm.is_file():
+        subtitle += f" after {len(read_metrics(warm))} warm-up steps"
+    fig.suptitle(subtitle)
+    fig.tight_layout()
+    out = run_dir / "report.png"
+    tmp = run_dir / ".report.png.tmp"
+    fig.savefig(tmp, dpi=90, format="png")
+    plt.close(fig)
+    tmp.replace(out)
+    return out

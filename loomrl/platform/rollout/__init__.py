@@ -1,0 +1,1 @@
+"""Rollout engines behind one seam (see base.py)."""

@@ -1,0 +1,58 @@
+"""The rollout-engine seam: what every engine (built-in torch, vLLM) provides."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Protocol
+
+import torch
+
+from loomrl.encoders.media import Medium
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1                  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+
+
+@dataclass
+class Prompt:
+    id: str                     # stable prompt identity (groups, drafter histories)
+    ids: list[int]              # token ids, media markers already expanded
+    media: list[Medium] = field(default_factory=list)
+
+
+@dataclass
+class Rollout:
+    prompt_index: int           # index into the prompts passed to generate()
+    sample_index: int           # 0..n-1 within its group
+    completion_ids: list[int]
+    logprobs: list[float]       # per completion token, under logits / temperature
+    finish_reason: str          # "stop" (EOS sampled) or "length"
+
+
+@dataclass
+class RolloutResult:
+    rollouts: list[Rollout]
+    forwards: int               # target forward passes (prefill + decode steps)
+    seconds: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.completion_ids) for r in self.rollouts)
+
+
+class RolloutEngine(Protocol):
+    version: int                # policy version of the weights it samples from
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams,
+                 generator: Optional[torch.Generator] = None) -> RolloutResult:
+        """n samples per prompt, grouped: rollouts of prompt i are contiguous."""
+
+    def update_weights(self, weights: Optional[Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
+        """Take new weights (None: weights are shared with the trainer) tagged `version`."""
+
+    def shutdown(self) -> None:
+        """Release the engine's resources."""

@@ -1,0 +1,311 @@
+"""The colocated driver loop: reads like a script, one RL step after another.
+
+    shards -> prompt source -> rollout engine -> rewards -> trajectories
+    -> micro-batches -> training engine (GRPO loss) -> weight sync -> metrics
+
+The rollout engine and the trainer share one model in this embedded mode, so
+the weight sync is a version bump; the seam is the same one vLLM plugs into.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from loomrl.datasets.source import PromptSample, PromptSource
+from loomrl.platform import recipe as R
+from loomrl.platform.algorithms.grpo import group_advantages, policy_loss
+from loomrl.platform.backbone.tokenizer import load_tokenizer
+from loomrl.platform.backbone.vlm import VLM, build_policy
+from loomrl.platform.checkpoint import save_checkpoint
+from loomrl.platform.engines.torch_engine import TorchTrainEngine
+from loomrl.platform.metrics import MetricsLog
+from loomrl.platform.rollout.base import Prompt, SamplingParams
+from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
+from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, collate, split
+
+
+@dataclass
+class RunResult:
+    out: Path
+    rows: list[dict]
+    goal_met: Optional[bool]
+    summary: str
+
+
+def load_records(recipe: R.Recipe) -> list[dict]:
+    from loomrl.datasets.shards import read_shards
+
+    files = R.expand_pattern(recipe.data.shards)
+    if not files:
+        demo = recipe.data.demo
+        if demo is None:
+            raise R.RecipeError(f"data.shards: no files match {recipe.data.shards!r}")
+        from loomrl.datasets.demo import write_demo_shards
+
+        directory = str(Path(recipe.data.shards).parent)
+        print(f"[data] no shards match {recipe.data.shards}; writing {demo.samples} demo samples "
+              f"to {directory}/", flush=True)
+        files = write_demo_shards(directory, demo.samples, demo.samples_per_shard, demo.seed)
+        if not R.expand_pattern(recipe.data.shards):
+            raise R.RecipeError(f"data.shards: demo shards were written to {directory}/ "
+                                f"but {recipe.data.shards!r} does not match them")
+    return list(read_shards(files))
+
+
+def configure_torch(cfg: R.TrainingConfig) -> None:
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    torch.use_deterministic_algorithms(cfg.deterministic)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+
+
+def to_prompts(samples: list[PromptSample]) -> list[Prompt]:
+    return [Prompt(s.id, s.ids, s.media) for s in samples]
+
+
+# --------------------------------------------------------------------------- warm-up
+
+
+def warmup_loss(model: VLM, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    logp, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media)
+    n = float(mb.loss_mask.sum())
+    return -(logp * mb.loss_mask).sum() / mb.normaliser, {"tokens": n}
+
+
+def run_warmup(recipe: R.Recipe, model: VLM, tokenizer, source: PromptSource, log: MetricsLog,
+               progress: bool) -> None:
+    from loomrl.datasets.demo import format_only_answer
+    from tqdm import tqdm
+
+    w = recipe.training.warmup
+    engine = TorchTrainEngine(model, recipe.training, lr=w.lr)
+    rng = random.Random(recipe.training.seed + 1)
+    bar = tqdm(range(w.steps), desc="warm-up (SFT)", disable=not progress, dynamic_ncols=True)
+    for step in bar:
+        trajs = []
+        for s in source.next(w.batch_size):
+            text = s.record["answer"] if w.target == "answer" else format_only_answer(s.record["meta"], rng)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [model.eos_token_id]
+            trajs.append(Trajectory(s.id, 0, s.ids, ids, s.media, [0.0] * len(ids), 0.0, 0))
+        mbs = [collate(c, model.pad_token_id) for c in split(trajs, recipe.training.micro_batch_size)]
+        total = float(sum(mb.loss_mask.sum() for mb in mbs))
+        for mb in mbs:
+            mb.normaliser = total
+        stats = engine.train_mini_batch(mbs, warmup_loss)
+        log.log({"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"]})
+        bar.set_postfix(loss=f"{stats['loss']:.3f}")
+
+
+# --------------------------------------------------------------------------- RL
+
+
+def grpo_loss_fn(recipe: R.Recipe):
+    a, temperature = recipe.algorithm, recipe.rollout.temperature
+
+    def loss_fn(model: VLM, mb: MicroBatch):
+        logp, entropy = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature)
+        old = mb.old_logp if mb.old_logp is not None else logp.detach()
+        loss, stats = policy_loss(logp, old, mb.advantages, mb.loss_mask, a.clip_eps, mb.normaliser,
+                                  mb.ref_logp, a.kl_coef)
+        m = mb.loss_mask
+        stats["entropy_sum"] = float((entropy.detach() * m).sum())
+        # rollout-vs-trainer mismatch of the same tokens under the same weights
+        stats["mismatch_sum"] = float(((mb.rollout_logp - logp.detach()).abs() * m).sum())
+        stats["tokens"] = float(m.sum())
+        return loss, stats
+
+    return loss_fn
+
+
+@torch.no_grad()
+def fill_logprobs(model: VLM, mbs: list[MicroBatch], temperature: float, attr: str) -> None:
+    model.eval()
+    for mb in mbs:
+        logp, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature)
+        setattr(mb, attr, logp)
+
+
+def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], tokenizer,
+            source: PromptSource, rollout: TorchRolloutEngine, engine: TorchTrainEngine,
+            reward_fn, generator: torch.Generator) -> dict:
+    t_step = time.perf_counter()
+    samples = source.next(recipe.training.prompts_per_step)
+    ro = recipe.rollout
+    params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
+    result = rollout.generate(to_prompts(samples), params, generator)
+
+    trajs: list[Trajectory] = []
+    for r in result.rollouts:
+        s = samples[r.prompt_index]
+        text = tokenizer.decode(r.completion_ids, skip_special_tokens=True)
+        reward = float(reward_fn(text, s.record))
+        trajs.append(Trajectory(s.id, r.prompt_index, s.ids, r.completion_ids, s.media,
+                                r.logprobs, reward, rollout.version))
+    rewards = torch.tensor([t.reward for t in trajs])
+    adv = group_advantages(rewards, ro.n, recipe.algorithm.scale_rewards)
+    for t, a in zip(trajs, adv.tolist()):
+        t.advantage = a
+
+    t_train = time.perf_counter()
+    a, tr = recipe.algorithm, recipe.training
+    loss_fn = grpo_loss_fn(recipe)
+    mini_batches = split(trajs, len(trajs) // tr.mini_batches)
+    layouts = []
+    for mini in mini_batches:
+        mbs = [collate(c, model.pad_token_id) for c in split(mini, tr.micro_batch_size)]
+        total = float(sum(mb.loss_mask.sum() for mb in mbs))
+        for mb in mbs:
+            mb.normaliser = total
+        layouts.append(mbs)
+    all_mbs = [mb for mbs in layouts for mb in mbs]
+    if a.epochs * tr.mini_batches > 1:  # the policy moves before some tokens are trained on
+        fill_logprobs(model, all_mbs, ro.temperature, "old_logp")
+    if ref_model is not None:
+        fill_logprobs(ref_model, all_mbs, ro.temperature, "ref_logp")
+    totals: dict[str, float] = {}
+    updates = 0
+    for _ in range(a.epochs):
+        for mbs in layouts:
+            stats = engine.train_mini_batch(mbs, loss_fn)
+            updates += 1
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
+    rollout.update_weights(None, rollout.version + 1)  # colocated: shared module, new version
+    train_s = time.perf_counter() - t_train
+
+    tokens = max(1.0, totals["tokens"])
+    media = [m.hash for s in samples for m in s.media]
+    row = {
+        "step": step,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "loss": totals["loss"] / updates,
+        "entropy": totals["entropy_sum"] / tokens,
+        "clip_frac": totals["clipped_tokens"] / tokens,
+        "logp_mismatch": totals["mismatch_sum"] / tokens,
+        "grad_norm": totals["grad_norm"] / updates,
+        "response_len": result.tokens / len(trajs),
+        "stop_rate": sum(r.finish_reason == "stop" for r in result.rollouts) / len(trajs),
+        "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
+        "tokens_per_forward": result.tokens / len(trajs) / max(1, result.forwards),
+        "rollout_s": result.seconds,
+        "train_s": train_s,
+        "step_s": time.perf_counter() - t_step,
+        "policy_version": rollout.version,
+        "staleness_mean": 0.0,  # colocated and synchronous: every trajectory is on-policy
+        "media_total": len(media) * ro.n,
+        "media_unique": len(set(media)),
+    }
+    if "kl_sum" in totals:
+        row["kl"] = totals["kl_sum"] / tokens
+    return row
+
+
+def goal_check(rows: list[dict], goal: Optional[R.GoalConfig]) -> tuple[Optional[bool], str]:
+    if goal is None or not rows:
+        return None, ""
+    first = sum(r["reward_mean"] for r in rows[:goal.first_steps]) / min(goal.first_steps, len(rows))
+    last_rows = rows[-goal.last_steps:]
+    last = sum(r["reward_mean"] for r in last_rows) / len(last_rows)
+    ok = last >= goal.min_final and last - first >= goal.min_gain
+    text = (f"reward: first {goal.first_steps} RL steps {first:.3f} -> last {goal.last_steps} {last:.3f} "
+            f"(gain {last - first:+.3f}); goal: last >= {goal.min_final} and gain >= {goal.min_gain}: "
+            + ("MET" if ok else "NOT MET"))
+    return ok, text
+
+
+def run(recipe: R.Recipe, out: Path) -> RunResult:
+    t0 = time.perf_counter()
+    configure_torch(recipe.training)
+    records = load_records(recipe)
+    tokenizer = load_tokenizer(recipe.model.tokenizer)
+    model = build_policy(recipe.model, tokenizer, recipe.training.seed)
+    source = PromptSource(records, model, tokenizer, recipe.model, recipe.data.seed)
+    reward_fn = R.resolve_callable(recipe.algorithm.reward)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recipe.yaml").write_text(R.dump(recipe))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[run] {recipe.name}: {len(source.samples)} prompts ({len(source.skipped)} skipped), "
+          f"model {n_params / 1e6:.2f}M params, {recipe.training.warmup.steps} warm-up + "
+          f"{recipe.training.steps} RL steps -> {out}", flush=True)
+    progress = recipe.logging.progress and sys.stderr.isatty()
+
+    if recipe.training.warmup.steps > 0:
+        wlog = MetricsLog(out, "warmup.jsonl", recipe.logging.tensorboard, prefix="warmup/")
+        run_warmup(recipe, model, tokenizer, source, wlog, progress)
+        wlog.close()
+
+    ref_model = None
+    if recipe.algorithm.kl_coef > 0:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    rollout = TorchRolloutEngine(model)
+    engine = TorchTrainEngine(model, recipe.training)
+    generator = torch.Generator().manual_seed(recipe.training.seed)
+    log = MetricsLog(out, "metrics.jsonl", recipe.logging.tensorboard)
+    rows: list[dict] = []
+    from tqdm import tqdm
+
+    bar = tqdm(range(recipe.training.steps), desc="GRPO", disable=not progress, dynamic_ncols=True)
+    ck = recipe.checkpoint
+    try:
+        for step in bar:
+            row = rl_step(step, recipe, model, ref_model, tokenizer, source, rollout, engine, reward_fn, generator)
+            rows.append(row)
+            log.log(row)
+            recent = rows[-10:]
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}",
+                            avg10=f"{sum(r['reward_mean'] for r in recent) / len(recent):.3f}")
+            if not progress and (step % 10 == 0 or step == recipe.training.steps - 1):
+                print(f"[step {step:4d}] reward {row['reward_mean']:.3f}  loss {row['loss']:+.4f}  "
+                      f"{row['tokens_per_s']:.0f} tok/s  step {row['step_s']:.2f}s", flush=True)
+            if ck.every and (step + 1) % ck.every == 0 and step + 1 < recipe.training.steps:
+                save(out, step + 1, model, engine, source, rollout, ck.keep_last)
+    finally:
+        log.close()
+        rollout.shutdown()
+    path = save(out, len(rows), model, engine, source, TorchRolloutEngine(model), ck.keep_last)
+    goal_met, goal_text = goal_check(rows, recipe.goal)
+    wall = time.perf_counter() - t0
+    summary = summarize(recipe, out, rows, wall, path, goal_text, source)
+    (out / "summary.json").write_text(json.dumps({
+        "steps": len(rows), "wall_s": wall, "goal_met": goal_met, "goal": goal_text,
+        "skipped_samples": len(source.skipped)}, indent=1))
+    return RunResult(out, rows, goal_met, summary)
+
+
+def save(out: Path, step: int, model: VLM, engine: TorchTrainEngine, source: PromptSource,
+         rollout: TorchRolloutEngine, keep_last: int) -> Path:
+    state = {"step": step, "data": source.state(), "policy_version": rollout.version}
+    return save_checkpoint(out / "checkpoints", step, model, engine.state_dict(), state, keep_last)
+
+
+def summarize(recipe: R.Recipe, out: Path, rows: list[dict], wall: float, ckpt: Path,
+              goal_text: str, source: PromptSource) -> str:
+    lines = [f"== loomrl run '{recipe.name}' done in {wall:.0f}s =="]
+    if rows:
+        mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+        lines += [
+            f"RL steps        {len(rows)}  ({mean('step_s'):.2f}s/step: rollout {mean('rollout_s'):.2f}s, "
+            f"train {mean('train_s'):.2f}s)",
+            f"reward          first {rows[0]['reward_mean']:.3f}  last {rows[-1]['reward_mean']:.3f}  "
+            f"best {max(r['reward_mean'] for r in rows):.3f}",
+            f"rollout         {mean('tokens_per_s'):.0f} tokens/s, {mean('response_len'):.1f} tokens/response, "
+            f"stop rate {rows[-1]['stop_rate']:.2f}",
+            f"on-policy       mean |rollout - trainer logp| {mean('logp_mismatch'):.2e}",
+        ]
+    if goal_text:
+        lines.append(goal_text)
+    if source.skipped:
+        lines.append(f"skipped samples {len(source.skipped)} (see warnings above)")
+    lines += [f"outputs         {out}/metrics.jsonl, tensorboard/, {ckpt.relative_to(out)}",
+              f"plot            loomrl report {out}"]
+    return "\n".join(lines)

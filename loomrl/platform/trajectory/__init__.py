@@ -1,0 +1,1 @@
+"""Trajectories and how they become training micro-batches."""
