@@ -1,9 +1,10 @@
 """The demo task: describe a procedural picture and/or tone in a short sentence.
 
-Every prompt has an image, an audio clip or both. Images are a coloured shape
-on a dark, noisy background; clips are a sine tone over noise. The answer is
+Every prompt has an image, an audio clip or both. Images are a small or large
+coloured disc or square (the outline is a distractor, not asked for) on a
+dark, noisy background; clips are a low, middle or high sine tone over noise. The answer is
 a fixed sentence template whose slot words name what is seen and heard, e.g.
-"the picture shows a red circle on a dark background ." The sample metadata
+"the picture shows a large red shape on a dark background ." The sample metadata
 carries the template, the true slot words and each slot's choices, so the
 `slot_match` reward can score a completion and a `format` warm-up can teach
 the sentence shape without the content.
@@ -18,18 +19,19 @@ import random
 import numpy as np
 
 COLORS = {"red": (215, 45, 40), "green": (40, 190, 70), "blue": (50, 90, 235)}
-SHAPES = ("circle", "square")
+SIZES = {"small": (5, 9), "large": (16, 22)}  # radius range in pixels of a 64x64 image
+OUTLINES = ("circle", "square")
 PITCHES = {"low": 250.0, "middle": 700.0, "high": 2000.0}
 
 TASKS = {
     "image": ("<image> describe the picture .",
-              "the picture shows a {color} {shape} on a dark background ."),
+              "the picture shows a {size} {color} shape on a dark background ."),
     "audio": ("<audio> describe the sound .",
               "the sound is a {pitch} tone played over soft noise ."),
     "both": ("<image> <audio> describe the picture and the sound .",
-             "a {color} {shape} is shown while a {pitch} tone plays ."),
+             "a {size} {color} shape is shown while a {pitch} tone plays ."),
 }
-CHOICES = {"color": list(COLORS), "shape": list(SHAPES), "pitch": list(PITCHES)}
+CHOICES = {"size": list(SIZES), "color": list(COLORS), "pitch": list(PITCHES)}
 
 
 def vocabulary() -> list[str]:
@@ -42,17 +44,17 @@ def vocabulary() -> list[str]:
     return sorted(words)
 
 
-def render_image(color: str, shape: str, rng: random.Random, size: int = 64) -> bytes:
+def render_image(color: str, size_word: str, rng: random.Random, size: int = 64) -> bytes:
     from PIL import Image, ImageDraw
 
     noise = np.random.default_rng(rng.getrandbits(32)).integers(0, 40, (size, size, 3), dtype=np.uint8)
     img = Image.fromarray(noise + 20)
     draw = ImageDraw.Draw(img)
-    r = rng.randint(size // 5, size // 3)
+    r = rng.randint(*SIZES[size_word])
     cx, cy = rng.randint(r + 2, size - r - 2), rng.randint(r + 2, size - r - 2)
     jitter = tuple(max(0, min(255, c + rng.randint(-25, 25))) for c in COLORS[color])
     box = (cx - r, cy - r, cx + r, cy + r)
-    (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=jitter)
+    (draw.ellipse if rng.choice(OUTLINES) == "circle" else draw.rectangle)(box, fill=jitter)
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
@@ -80,8 +82,8 @@ def make_sample(index: int, rng: random.Random) -> dict:
     slots = {}
     media = []
     if kind in ("image", "both"):
-        slots["color"], slots["shape"] = rng.choice(CHOICES["color"]), rng.choice(CHOICES["shape"])
-        media.append(("image", "img0.png", render_image(slots["color"], slots["shape"], rng)))
+        slots["size"], slots["color"] = rng.choice(CHOICES["size"]), rng.choice(CHOICES["color"])
+        media.append(("image", "img0.png", render_image(slots["color"], slots["size"], rng)))
     if kind in ("audio", "both"):
         slots["pitch"] = rng.choice(CHOICES["pitch"])
         media.append(("audio", "aud0.wav", render_tone(slots["pitch"], rng)))

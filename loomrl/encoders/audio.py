@@ -58,7 +58,14 @@ def build_audio_tower(cfg: AudioConfig, init_std: float):
         max_source_positions=num_frames(cfg) // 2, init_std=init_std,
     )
     hf._attn_implementation = "sdpa"
-    return Qwen2AudioEncoder._from_config(hf)
+    tower = Qwen2AudioEncoder._from_config(hf)
+    # transformers initialises the conv stem with N(0, init_std); at 0.02 that makes the
+    # mel signal ~50x smaller than the fixed sinusoidal positions added after it, and a
+    # randomly initialised tower barely sees its input. Trained checkpoints never look like
+    # that: start the stem at PyTorch's fan-in scaled default instead.
+    tower.conv1.reset_parameters()
+    tower.conv2.reset_parameters()
+    return tower
 
 
 def encode_audio(tower, features: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,10 @@ def run_warmup(recipe: R.Recipe, model: VLM, tokenizer, source: PromptSource, lo
     from tqdm import tqdm
 
     w = recipe.training.warmup
-    engine = TorchTrainEngine(model, recipe.training, lr=w.lr)
+    # Format targets carry no information about the media: train only the language model,
+    # so the encoders are not pushed around by gradients that are noise for them.
+    params = list(model.language_model.parameters()) if w.target == "format" else None
+    engine = TorchTrainEngine(model, recipe.training, lr=w.lr, params=params)
     rng = random.Random(recipe.training.seed + 1)
     bar = tqdm(range(w.steps), desc="warm-up (SFT)", disable=not progress, dynamic_ncols=True)
     for step in bar:

@@ -13,12 +13,13 @@ LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, float]]]
 
 
 class TorchTrainEngine:
-    def __init__(self, model: nn.Module, cfg: TrainingConfig, lr: float | None = None):
+    def __init__(self, model: nn.Module, cfg: TrainingConfig, lr: float | None = None,
+                 params: list[nn.Parameter] | None = None):
         self.model = model
         self.cfg = cfg
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay)
+        params = [p for p in model.parameters() if p.requires_grad] if params is None else params
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay)
+        self.params = params
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
@@ -36,13 +37,14 @@ class TorchTrainEngine:
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.params if p.grad is not None]
         if self.cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         else:
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
         totals["grad_norm"] = float(norm)
         self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)  # also frees grads of parameters not optimised here
         return totals
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
