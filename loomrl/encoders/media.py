@@ -33,8 +33,11 @@ def decode_image(data: bytes, max_pixels: int = 50_000_000):
     """PIL image from bytes, refusing decompression bombs (pixel limit) and non-images."""
     from PIL import Image
 
-    Image.MAX_IMAGE_PIXELS = max_pixels
-    with Image.open(io.BytesIO(data)) as im:
+    try:
+        im = Image.open(io.BytesIO(data))  # reads the header only
+    except Image.DecompressionBombError as e:
+        raise ValueError(str(e)) from None
+    with im:
         if im.width * im.height > max_pixels:
             raise ValueError(f"image of {im.width}x{im.height} pixels exceeds the limit {max_pixels}")
         im.load()

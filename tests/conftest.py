@@ -1,0 +1,35 @@
+import pytest
+import torch
+
+from loomrl.datasets.demo import write_demo_shards
+from loomrl.platform.backbone.tokenizer import load_tokenizer
+from loomrl.platform.backbone.vlm import build_policy
+from loomrl.platform.recipe import ModelConfig
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def demo_shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    files = write_demo_shards(str(d), samples=24, samples_per_shard=10, seed=7)
+    return d, files
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer("demo")
+
+
+@pytest.fixture()
+def model(tokenizer):
+    return build_policy(ModelConfig(), tokenizer, seed=0)
+
+
+@pytest.fixture()
+def samples(demo_shards, model, tokenizer):
+    from loomrl.datasets.shards import read_shards
+    from loomrl.datasets.source import PromptSource
+
+    _, files = demo_shards
+    return PromptSource(list(read_shards(files)), model, tokenizer, ModelConfig(), seed=0).samples

@@ -1,0 +1,59 @@
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from loomrl.encoders.audio import log_mel, num_audio_tokens, num_frames
+from loomrl.encoders.media import decode_image, load_medium
+from loomrl.encoders.vision import num_image_tokens, preprocess_image, smart_resize
+from loomrl.platform.recipe import AudioConfig, ModelConfig, VisionConfig
+
+
+def test_smart_resize_rule():
+    assert smart_resize(64, 64, 28, 56 * 56, 56 * 56) == (56, 56)
+    h, w = smart_resize(480, 640, 28, 4 * 28 * 28, 1024 * 28 * 28)
+    assert h % 28 == 0 and w % 28 == 0 and abs(h / w - 0.75) < 0.05
+
+
+def test_image_patches_match_qwen2vl_layout():
+    cfg = VisionConfig(min_pixels=56 * 112, max_pixels=56 * 112)
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (56, 112, 3), dtype=np.uint8))
+    patches, grid = preprocess_image(img, cfg)
+    assert grid.tolist() == [1, 4, 8]
+    assert patches.shape == (32, 3 * 2 * 14 * 14)
+    assert num_image_tokens(grid, cfg) == 8
+    # the first patch is the top-left 14x14 block, both temporal copies identical
+    p0 = patches[0].view(3, 2, 14, 14)
+    torch.testing.assert_close(p0[:, 0], p0[:, 1])
+    x = (np.asarray(img, dtype=np.float32)[:14, :14] / 255.0 - [0.48145466, 0.4578275, 0.40821073]) \
+        / [0.26862954, 0.26130258, 0.27577711]
+    torch.testing.assert_close(p0[:, 0], torch.tensor(x.transpose(2, 0, 1), dtype=torch.float32))
+    # merge order: patch 1 is the block right of patch 0 (2x2 groups are contiguous)
+    x1 = (np.asarray(img, dtype=np.float32)[:14, 14:28, 0] / 255.0 - 0.48145466) / 0.26862954
+    torch.testing.assert_close(patches[1].view(3, 2, 14, 14)[0, 0], torch.tensor(x1, dtype=torch.float32))
+
+
+def test_log_mel_matches_whisper_feature_extractor():
+    from transformers import WhisperFeatureExtractor
+
+    cfg = AudioConfig(clip_seconds=1.0)
+    t = np.arange(16000) / 16000
+    wave = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.01 * np.random.default_rng(0).normal(size=t.size)).astype(np.float32)
+    ours = log_mel(wave, cfg)
+    fe = WhisperFeatureExtractor(feature_size=80, sampling_rate=16000, n_samples=16000, chunk_length=1)
+    ref = fe(wave, sampling_rate=16000, return_tensors="np").input_features[0]
+    assert ours.shape == (80, num_frames(cfg)) == ref.shape
+    assert np.abs(ours.numpy() - ref).max() < 2e-3
+    assert num_audio_tokens(cfg) == 25
+
+
+def test_image_pixel_limit_and_garbage_rejected():
+    big = Image.new("RGB", (300, 300))
+    buf = io.BytesIO()
+    big.save(buf, format="PNG")
+    with pytest.raises(ValueError, match="exceeds the limit"):
+        decode_image(buf.getvalue(), max_pixels=10_000)
+    with pytest.raises(Exception):
+        load_medium("image", b"not an image at all", ModelConfig())
