@@ -12,7 +12,6 @@ the sentence shape without the content.
 from __future__ import annotations
 
 import io
-import json
 import math
 import random
 
@@ -105,5 +104,3 @@ def format_only_answer(meta: dict, rng: random.Random) -> str:
     """The answer template with every slot filled at random from its choices."""
     return meta["template"].format(**{k: rng.choice(v) for k, v in meta["choices"].items()})
 
-
-__all__ = ["vocabulary", "make_sample", "write_demo_shards", "format_only_answer", "json"]

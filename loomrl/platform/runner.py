@@ -182,8 +182,10 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
             updates += 1
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
+    trainer_version = rollout.version  # the version these updates were applied to
     rollout.update_weights(None, rollout.version + 1)  # colocated: shared module, new version
     train_s = time.perf_counter() - t_train
+    staleness = [trainer_version - t.version for t in trajs]
 
     tokens = max(1.0, totals["tokens"])
     media = [m.hash for s in samples for m in s.media]
@@ -204,7 +206,8 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
         "train_s": train_s,
         "step_s": time.perf_counter() - t_step,
         "policy_version": rollout.version,
-        "staleness_mean": 0.0,  # colocated and synchronous: every trajectory is on-policy
+        "staleness_mean": sum(staleness) / len(staleness),  # 0 when colocated and synchronous
+        "staleness_max": max(staleness),
         "media_total": len(media) * ro.n,
         "media_unique": len(set(media)),
     }
@@ -271,11 +274,11 @@ def run(recipe: R.Recipe, out: Path) -> RunResult:
                 print(f"[step {step:4d}] reward {row['reward_mean']:.3f}  loss {row['loss']:+.4f}  "
                       f"{row['tokens_per_s']:.0f} tok/s  step {row['step_s']:.2f}s", flush=True)
             if ck.every and (step + 1) % ck.every == 0 and step + 1 < recipe.training.steps:
-                save(out, step + 1, model, engine, source, rollout, ck.keep_last)
+                save(out, step + 1, model, engine, source, rollout.version, ck.keep_last)
+        path = save(out, len(rows), model, engine, source, rollout.version, ck.keep_last)
     finally:
         log.close()
         rollout.shutdown()
-    path = save(out, len(rows), model, engine, source, TorchRolloutEngine(model), ck.keep_last)
     goal_met, goal_text = goal_check(rows, recipe.goal)
     wall = time.perf_counter() - t0
     summary = summarize(recipe, out, rows, wall, path, goal_text, source)
@@ -286,8 +289,8 @@ def run(recipe: R.Recipe, out: Path) -> RunResult:
 
 
 def save(out: Path, step: int, model: VLM, engine: TorchTrainEngine, source: PromptSource,
-         rollout: TorchRolloutEngine, keep_last: int) -> Path:
-    state = {"step": step, "data": source.state(), "policy_version": rollout.version}
+         policy_version: int, keep_last: int) -> Path:
+    state = {"step": step, "data": source.state(), "policy_version": policy_version}
     return save_checkpoint(out / "checkpoints", step, model, engine.state_dict(), state, keep_last)
 
 
