@@ -1,4 +1,4 @@
-"""The `loomrl` command line: run, report, recipe."""
+"""The `loomrl` command line: run, report, recipe, shards, bench."""
 from __future__ import annotations
 
 import argparse
@@ -54,8 +54,22 @@ def cmd_recipe(args) -> int:
     return 0
 
 
+# Command groups with their own parsers, in the module that owns the idea.
+GROUPS = {
+    "shards": ("loomrl.datasets.cli", "prepare, verify and inspect webdataset shards"),
+    "bench": ("loomrl.bench", "benchmarks: drafter, encoders (ratios measured side by side)"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="loomrl", description="Multimodal RL training platform.")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in GROUPS:
+        import importlib
+
+        return importlib.import_module(GROUPS[argv[0]][0]).main(argv[1:])
+    ap = argparse.ArgumentParser(
+        prog="loomrl", description="Multimodal RL training platform.",
+        epilog="more: " + "; ".join(f"loomrl {k} -h: {v[1]}" for k, v in GROUPS.items()))
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run a recipe: loomrl run RECIPE.yaml [key.path=value ...]")
     p.add_argument("recipe", help="YAML recipe file")

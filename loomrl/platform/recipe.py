@@ -71,6 +71,20 @@ class AudioConfig:
 
 
 @dataclass
+class EncoderConfig:
+    """How the vision and audio towers are run and cached."""
+
+    frozen: bool = False
+    """Freeze both towers (no gradients); their encodings are then cached across
+    steps in a bounded LRU keyed by content hash + encoder identity."""
+    cache_size: int = 4096
+    """Encodings kept by the cross-step LRU when `frozen` (0 = no cross-step cache)."""
+    dedup: bool = True
+    """Encode each distinct medium once per mini-batch and route its gradient from
+    every micro-batch that uses it (false: encode every copy, the naive path)."""
+
+
+@dataclass
 class ModelConfig:
     """A Qwen-VL-style model: vision + audio towers, projectors, Qwen2 decoder."""
 
@@ -99,6 +113,8 @@ class ModelConfig:
     """The vision tower."""
     audio: AudioConfig = field(default_factory=AudioConfig)
     """The audio tower."""
+    encoders: EncoderConfig = field(default_factory=EncoderConfig)
+    """Encoder execution and the content-hashed encoding cache."""
 
 
 # --------------------------------------------------------------------------- data
@@ -128,9 +144,31 @@ class DataConfig:
     If null, missing shards are an error."""
     seed: int = 0
     """Seed of the epoch shuffle of prompts."""
+    shuffle_buffer: int = 1000
+    """Samples held by the streaming reader's shuffle buffer (0 = shard order)."""
 
 
 # --------------------------------------------------------------------------- rollout
+
+
+@dataclass
+class DrafterConfig:
+    """NgramRL: speculative decoding with a per-prompt history drafter."""
+
+    enabled: bool = True
+    """Draft tokens from earlier completions of the same prompt; the target verifies
+    them exactly (same tokens when greedy, same distribution when sampling)."""
+    k: int = 8
+    """Most tokens drafted per target forward."""
+    max_history: int = 16
+    """Finished completions kept per prompt (oldest evicted first)."""
+    max_history_tokens: int = 8192
+    """Token cap of one prompt's history."""
+    max_prompts: int = 4096
+    """Prompts whose histories are kept (least recently used evicted)."""
+    prefetch_budget: int = 16
+    """Candidate (accepted length, bonus token) outcomes the prefetcher prepares per
+    sequence while the target verifies (0 = no prefetch, plain lookups)."""
 
 
 @dataclass
@@ -148,6 +186,8 @@ class RolloutConfig:
     """Nucleus sampling mass (1.0 = off)."""
     max_new_tokens: int = 20
     """Completion length cap."""
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    """NgramRL speculative decoding."""
 
 
 # --------------------------------------------------------------------------- algorithm
