@@ -1,0 +1,67 @@
+"""NgramRL's adaptive fan-out prefetcher.
+
+While the target verifies a draft, the next draft depends on the outcome:
+j = how many draft tokens it accepts and b = its own next (bonus) token. The
+prefetcher guesses the likely (j, b) pairs and prepares their drafts ahead, so
+the lookup leaves the critical path. A causal budget allocator spends at most
+`budget` candidates per sequence on the most probable outcomes, using only
+what has been observed so far:
+
+    P(j, b) = P(j | draft length) * P(b | j)
+
+P(j | L) is a running histogram of accepted lengths for drafts of length L
+(add-one smoothed). P(b | j) comes from the drafter's own support counts at
+position j: after a rejection at j the target picks one of the other
+continuations seen there (the rejected token excluded); after a full accept
+(j = L) it picks one of those seen at position L. An outcome not prepared
+falls back to a plain lookup: the draft is the same either way (the drafter
+is deterministic in the context), so committed tokens never change.
+"""
+from __future__ import annotations
+
+from loomrl.platform.rollout.drafter import Draft
+
+SMOOTH = 1.0  # pseudo-count for unseen bonus tokens ("something else") and for P(j | L)
+
+
+class FanoutPrefetcher:
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.accept_hist: dict[int, list[float]] = {}
+        self.planned = 0
+        self.covered = 0
+
+    def plan(self, draft: Draft) -> list[tuple[int, int]]:
+        """The (j, b) outcomes to prepare for this draft, most probable first."""
+        if self.budget <= 0:
+            return []
+        L = len(draft.tokens)
+        hist = self.accept_hist.get(L) or [0.0] * (L + 1)
+        total = sum(hist) + SMOOTH * (L + 1)
+        scored = []
+        for j in range(L + 1):
+            p_j = (hist[j] + SMOOTH) / total
+            votes = draft.alternatives[j] if j < len(draft.alternatives) else {}
+            others = {t: v for t, v in votes.items() if j == L or t != draft.tokens[j]}
+            mass = sum(others.values()) + SMOOTH
+            for tok, v in others.items():
+                scored.append((p_j * v / mass, j, tok))
+        scored.sort(key=lambda s: -s[0])
+        return [(j, tok) for _, j, tok in scored[:self.budget]]
+
+    def observe(self, draft_len: int, accepted: int, covered: bool) -> None:
+        """Record a verification outcome (and whether it had been prepared)."""
+        hist = self.accept_hist.setdefault(draft_len, [0.0] * (draft_len + 1))
+        hist[accepted] += 1
+        self.planned += 1
+        self.covered += covered
+
+    @property
+    def coverage(self) -> float:
+        return self.covered / self.planned if self.planned else 0.0
+
+
+def outcome_contexts(draft: Draft, outcomes: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
+    """Tokens each prepared outcome appends to the context: draft[:j] + [b]."""
+    return {(j, b): draft.tokens[:j] + [b] for j, b in outcomes}
+
