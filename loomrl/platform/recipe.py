@@ -166,6 +166,9 @@ class DrafterConfig:
     """Token cap of one prompt's history."""
     max_prompts: int = 4096
     """Prompts whose histories are kept (least recently used evicted)."""
+    global_history: int = 256
+    """Recent completions of any prompt kept as a weaker, cross-prompt draft source
+    (0 = per-prompt histories only)."""
     prefetch_budget: int = 16
     """Candidate (accepted length, bonus token) outcomes the prefetcher prepares per
     sequence while the target verifies (0 = no prefetch, plain lookups)."""
