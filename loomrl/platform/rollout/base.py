@@ -36,8 +36,14 @@ class Rollout:
 @dataclass
 class RolloutResult:
     rollouts: list[Rollout]
-    forwards: int               # target forward passes (prefill + decode steps)
+    forwards: int               # target forward passes of the batch (prefill + decode steps)
     seconds: float
+    seq_forwards: int = 0       # sum over sequences of the forwards each took part in
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens committed per target forward of a sequence (1.0 without drafting)."""
+        return self.tokens / max(1, self.seq_forwards)
 
     @property
     def tokens(self) -> int:

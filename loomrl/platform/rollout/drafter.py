@@ -108,6 +108,16 @@ class DraftState:
             if n >= 2:
                 self.index[(self.tokens[-2], t)].append(n)
 
+    def truncate(self, length: int) -> None:
+        """Roll back to the first `length` tokens (undoing extend; used to draft
+        ahead for a hypothetical outcome)."""
+        while len(self.tokens) > length:
+            n = len(self.tokens)
+            t = self.tokens.pop()
+            self.unigram[t].pop()
+            if n >= 2:
+                self.index[(self.tokens[-1], t)].pop()
+
 
 class NgramDrafter:
     def __init__(self, cfg: DrafterConfig | None = None):

@@ -1,32 +1,57 @@
-"""The built-in rollout engine: batched, KV-cached sampling with the policy in torch.
+"""The built-in rollout engine: batched, KV-cached sampling with the policy in torch,
+optionally accelerated by NgramRL speculative decoding.
 
 Prompts are left-padded into one batch (n rows per prompt); media are encoded
-once per distinct medium. Each decode step samples the next token with
-temperature / top-p and records the log-prob of the sampled token under
-log_softmax(logits / temperature), the same quantity the trainer recomputes
-(top-p truncation changes which tokens can be drawn, not the reported value).
+once per distinct medium. Every forward feeds each live row its last committed
+token followed by its draft (empty without a drafter, so plain decoding is the
+k = 0 case of the same loop) and verifies the draft exactly:
+
+- the target distribution p' at each position is softmax(logits / T) with the
+  top-p nucleus kept (one-hot argmax when T = 0, greedy);
+- drafted token x is accepted with probability p'(x) (the drafter is
+  deterministic, so this is speculative sampling's min(1, p/q) with q = 1);
+- at the first rejection the bonus token is drawn from p' with x removed and
+  renormalised; if every draft token is accepted it is drawn from p' at the
+  next position. The committed tokens are distributed exactly as without
+  drafting (greedy: identical tokens).
+
+Reported log-probs are log_softmax(logits / T) of each committed token, the
+quantity the trainer recomputes (top-p changes what can be drawn, not the
+reported value). Rejected draft tokens stay in the KV cache but are masked out
+of attention from then on, which is the rollback.
 """
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 import torch
 
 from loomrl.platform.backbone.vlm import VLM
+from loomrl.platform.recipe import DrafterConfig
 from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
+from loomrl.platform.rollout.drafter import Draft, NgramDrafter
+from loomrl.platform.rollout.prefetch import FanoutPrefetcher
+
+
+def target_probs(logp: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution tokens are drawn from: nucleus of softmax(logits / T), or greedy."""
+    if temperature == 0:
+        return torch.zeros_like(logp).scatter_(-1, logp.argmax(-1, keepdim=True), 1.0)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # the first token is always kept
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def sample_tokens(logp: torch.Tensor, top_p: float, generator: Optional[torch.Generator]) -> torch.Tensor:
     """Draw one token per row from log-probs [B, V], keeping the smallest top-p nucleus."""
-    probs = logp.exp()
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # keep a token if the mass before it is below top_p (the first is always kept)
-        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(target_probs(logp, 1.0, top_p), 1, generator=generator).squeeze(-1)
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,10 +64,58 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+@dataclass
+class DraftStats:
+    """Drafting counters of one generate() call."""
+
+    drafted_by_pos: list[int] = field(default_factory=list)   # forwards that drafted >= i+1 tokens
+    accepted_by_pos: list[int] = field(default_factory=list)  # ... and had position i accepted
+    lookup_s: float = 0.0
+    lookups: int = 0
+    prefetched: int = 0     # verification outcomes whose next draft had been prepared
+    outcomes: int = 0       # verification outcomes that needed a next draft
+
+    @property
+    def coverage(self) -> float:
+        return self.prefetched / self.outcomes if self.outcomes else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)]
+
+
 class TorchRolloutEngine:
-    def __init__(self, model: VLM):
+    def __init__(self, model: VLM, drafter_cfg: Optional[DrafterConfig] = None):
         self.model = model
         self.version = 0
+        self.drafter_cfg = drafter_cfg if drafter_cfg is not None and drafter_cfg.enabled else None
+        self.drafter = NgramDrafter(self.drafter_cfg) if self.drafter_cfg else None
+        self.prefetcher = FanoutPrefetcher(self.drafter_cfg.prefetch_budget) if self.drafter_cfg else None
+        self._pool = ThreadPoolExecutor(1) if self.prefetcher and self.prefetcher.budget > 0 else None
+        self.last_stats = DraftStats()
+
+    # ------------------------------------------------------------------ drafting
+
+    def _propose(self, state, k: int, stats: DraftStats) -> Draft:
+        t0 = time.perf_counter()
+        d = self.drafter.propose(state, k)
+        stats.lookup_s += time.perf_counter() - t0
+        stats.lookups += 1
+        return d
+
+    def _prefetch(self, states, drafts: dict[int, Draft], k: int) -> dict[int, dict]:
+        """Drafts prepared for each row's likely (accepted, bonus) outcomes."""
+        prepared: dict[int, dict] = {}
+        for i, d in drafts.items():
+            st = states[i]
+            mark = len(st.tokens)
+            prepared[i] = {}
+            for j, b in self.prefetcher.plan(d):
+                st.extend(d.tokens[:j] + [b])
+                prepared[i][(j, b)] = self.drafter.propose(st, k)
+                st.truncate(mark)
+        return prepared
+
+    # ------------------------------------------------------------------ generate
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], params: SamplingParams,
@@ -51,39 +124,100 @@ class TorchRolloutEngine:
         model = self.model
         was_training = model.training
         model.eval()
+        k = self.drafter_cfg.k if self.drafter else 0
+        stats = DraftStats([0] * k, [0] * k)
         rows = [(pi, j) for pi in range(len(prompts)) for j in range(params.n)]
+        b = len(rows)
         row_media = [prompts[pi].media for pi, _ in rows]
         encodings = model.encode_media([m for p in prompts for m in p.media])
         ids, mask = left_pad([prompts[pi].ids for pi, _ in rows], model.pad_token_id)
         logits, cache = model.forward_embeds(model.embed(ids, row_media, encodings), mask)
         forwards = 1
-        b = len(rows)
-        done = torch.zeros(b, dtype=torch.bool)
-        tokens: list[list[int]] = [[] for _ in range(b)]
-        logps: list[list[float]] = [[] for _ in range(b)]
-        for step in range(params.max_new_tokens):
-            logp = model.token_logprobs(logits[:, -1], params.temperature)
-            tok = sample_tokens(logp, params.top_p, generator)
-            tok_logp = logp.gather(-1, tok[:, None]).squeeze(-1)
-            live = ~done
-            for i in live.nonzero().flatten().tolist():
-                tokens[i].append(int(tok[i]))
-                logps[i].append(float(tok_logp[i]))
-            done = done | (tok == model.eos_token_id)
-            if bool(done.all()) or step == params.max_new_tokens - 1:
-                break
-            tok = torch.where(live, tok, torch.full_like(tok, model.pad_token_id))
-            mask = torch.cat([mask, live.long()[:, None]], dim=1)
-            logits, cache = model.forward_embeds(model.language_model.embed(tok[:, None]), mask, cache)
+        report_t = params.temperature if params.temperature > 0 else 1.0
+        logp = model.token_logprobs(logits[:, -1], report_t)
+        first = torch.multinomial(target_probs(logp, params.temperature, params.top_p), 1,
+                                  generator=generator).squeeze(-1)
+        tokens = [[int(t)] for t in first]
+        logps = [[float(logp[i, t])] for i, t in enumerate(first)]
+        done = [params.max_new_tokens <= 1 or t[0] == model.eos_token_id for t in tokens]
+        states = ([self.drafter.start(prompts[pi].id, prompts[pi].ids + tokens[i]) for i, (pi, _) in enumerate(rows)]
+                  if self.drafter else None)
+        drafts: dict[int, Draft] = {}
+        if self.drafter:
+            for i in range(b):
+                if not done[i]:
+                    drafts[i] = self._propose(states[i], min(k, params.max_new_tokens - 1 - len(tokens[i])), stats)
+
+        seq_forwards = b
+        while not all(done):
+            live = [i for i in range(b) if not done[i]]
+            seq_forwards += len(live)
+            width = 1 + max((len(drafts[i].tokens) for i in live if i in drafts), default=0)
+            step_ids = torch.full((b, width), model.pad_token_id, dtype=torch.long)
+            step_mask = torch.zeros((b, width), dtype=torch.long)
+            for i in live:
+                d = drafts[i].tokens if i in drafts else []
+                step_ids[i, :1 + len(d)] = torch.tensor([tokens[i][-1]] + d)
+                step_mask[i, :1 + len(d)] = 1
+            mask = torch.cat([mask, step_mask], dim=1)
+            future = self._pool.submit(self._prefetch, states, dict(drafts), k) if self._pool and drafts else None
+            logits, cache = model.forward_embeds(model.language_model.embed(step_ids), mask, cache)
             forwards += 1
+            logp = model.token_logprobs(logits, report_t)                       # [B, W, V]
+            probs = target_probs(logp, params.temperature, params.top_p)
+            prepared = future.result() if future is not None else {}
+            u = torch.rand((b, width), generator=generator)
+            col0 = mask.shape[1] - width
+            next_drafts: dict[int, Draft] = {}
+            for i in live:
+                d = drafts[i].tokens if i in drafts else []
+                j = 0
+                while j < len(d) and float(u[i, j]) < float(probs[i, j, d[j]]):
+                    j += 1
+                dist = probs[i, j].clone()
+                if j < len(d):
+                    dist[d[j]] = 0.0  # residual of a rejected deterministic draft: p without x
+                bonus = int(torch.multinomial(dist / dist.sum(), 1, generator=generator))
+                new = d[:j] + [bonus]
+                for pos in range(len(d)):
+                    stats.drafted_by_pos[pos] += 1
+                    stats.accepted_by_pos[pos] += pos < j
+                mask[i, col0 + 1 + j:col0 + width] = 0  # roll back rejected draft tokens
+                if model.eos_token_id in new:
+                    new = new[:new.index(model.eos_token_id) + 1]
+                tokens[i].extend(new)
+                logps[i].extend(float(logp[i, p, t]) for p, t in enumerate(new))
+                if new[-1] == model.eos_token_id or len(tokens[i]) >= params.max_new_tokens:
+                    done[i] = True
+                    continue
+                if self.drafter:
+                    states[i].extend(new)
+                    if self.prefetcher:
+                        self.prefetcher.observe(len(d), j, (j, bonus) in prepared.get(i, {}))
+                    remaining = min(k, params.max_new_tokens - 1 - len(tokens[i]))
+                    ready = prepared.get(i, {}).get((j, bonus))
+                    stats.outcomes += 1
+                    if ready is not None:
+                        stats.prefetched += 1
+                        next_drafts[i] = Draft(ready.tokens[:remaining], ready.alternatives[:remaining + 1])
+                    else:
+                        next_drafts[i] = self._propose(states[i], remaining, stats)
+            drafts = next_drafts
         model.train(was_training)
+        self.last_stats = stats
         rollouts = [
             Rollout(pi, j, tokens[i], logps[i],
-                    "stop" if tokens[i] and tokens[i][-1] == model.eos_token_id else "length")
+                    "stop" if tokens[i][-1] == model.eos_token_id else "length")
             for i, (pi, j) in enumerate(rows)]
-        return RolloutResult(rollouts, forwards, time.perf_counter() - start)
+        return RolloutResult(rollouts, forwards, time.perf_counter() - start, seq_forwards)
+
+    def observe(self, prompt_id: str, completion_ids: list[int]) -> None:
+        """Feed a finished rollout into the drafter's history of its prompt."""
+        if self.drafter:
+            self.drafter.observe(prompt_id, completion_ids)
 
     def update_weights(self, weights: Optional[Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
+        # Drafter histories are kept: earlier policies' completions remain good drafts.
         if weights is not None:
             state = dict(weights)
             missing, unexpected = self.model.load_state_dict(state, strict=False)
@@ -92,4 +226,7 @@ class TorchRolloutEngine:
         self.version = version
 
     def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self.model = None

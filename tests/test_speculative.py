@@ -1,0 +1,162 @@
+"""NgramRL in the built-in engine: exact speculative verification, prefetch fallback,
+bounded histories."""
+import math
+import random
+
+import pytest
+import torch
+
+from loomrl.platform.recipe import DrafterConfig, ModelConfig
+from loomrl.platform.rollout.base import Prompt, SamplingParams
+from loomrl.platform.rollout.drafter import NgramDrafter
+from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
+from loomrl.platform.trajectory.batch import Trajectory, collate
+
+
+@pytest.fixture()
+def peaky_model(tokenizer):
+    """A random model whose next-token distributions are concentrated on a few tokens, so
+    drafts from earlier samples are often (not always) accepted."""
+    from loomrl.platform.backbone.vlm import build_policy
+
+    model = build_policy(ModelConfig(init_std=0.5), tokenizer, seed=3)
+    return model
+
+
+def text_prompts(n=4):
+    return [Prompt(f"p{i}", [8 + i, 9, 12 + 2 * i, 15, 20 + i], []) for i in range(n)]
+
+
+def warm(engine, prompts, params, rounds=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(rounds):
+        for r in engine.generate(prompts, params, g).rollouts:
+            engine.observe(prompts[r.prompt_index].id, r.completion_ids)
+
+
+def test_greedy_tokens_identical_with_and_without_drafting(peaky_model, samples):
+    prompts = text_prompts() + [Prompt(s.id, s.ids, s.media) for s in samples[:3]]
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=14)
+    plain = TorchRolloutEngine(peaky_model)
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(k=5, prefetch_budget=4))
+    # seed histories with *sampled* completions so drafts are partly wrong: varied acceptance
+    warm(spec, prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=14))
+    a, b = plain.generate(prompts, params), spec.generate(prompts, params)
+    assert [r.completion_ids for r in a.rollouts] == [r.completion_ids for r in b.rollouts]
+    for x, y in zip(a.rollouts, b.rollouts):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    acc = spec.last_stats.acceptance_by_position()
+    assert b.forwards < a.forwards and 0 < acc[0] < 1  # some drafts accepted, some rejected
+    assert b.tokens_per_forward > 1.0 and a.tokens_per_forward == 1.0
+
+
+def test_drafted_logprobs_equal_a_plain_forward(peaky_model):
+    prompts = text_prompts(3)
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(k=4))
+    params = SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=12)
+    warm(spec, prompts, params)
+    res = spec.generate(prompts, params, torch.Generator().manual_seed(5))
+    assert spec.last_stats.accepted_by_pos[0] > 0
+    trajs = [Trajectory(prompts[r.prompt_index].id, r.prompt_index, prompts[r.prompt_index].ids,
+                        r.completion_ids, [], r.logprobs, 0.0, 0) for r in res.rollouts]
+    mb = collate(trajs, peaky_model.pad_token_id)
+    with torch.no_grad():
+        logp, _ = peaky_model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature=0.7)
+    m = mb.loss_mask.bool()
+    torch.testing.assert_close(logp[m], mb.rollout_logp[m], atol=1e-5, rtol=1e-5)
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampling_distribution_unchanged_by_drafting(peaky_model):
+    """Two-sample chi-square on the token at each of the first 4 positions: 3000 samples
+    with drafting vs 3000 without, fixed threshold p = 0.001 per position."""
+    prompt = [Prompt("p0", [8, 9, 12, 15, 20], [])]
+    params = SamplingParams(n=500, temperature=1.0, max_new_tokens=5)
+    plain = TorchRolloutEngine(peaky_model)
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(k=4, max_history=64, max_history_tokens=10**6))
+    warm(spec, prompt, SamplingParams(n=30, temperature=1.0, max_new_tokens=5), rounds=1, seed=9)
+    counts = {"plain": [{} for _ in range(4)], "spec": [{} for _ in range(4)]}
+    g = torch.Generator().manual_seed(1)
+    accepted = 0
+    for _ in range(6):
+        for name, eng in (("plain", plain), ("spec", spec)):
+            for r in eng.generate(prompt, params, g).rollouts:
+                for pos in range(4):
+                    tok = r.completion_ids[pos] if pos < len(r.completion_ids) else -1
+                    counts[name][pos][tok] = counts[name][pos].get(tok, 0) + 1
+        accepted += sum(spec.last_stats.accepted_by_pos)
+    assert accepted > 1000  # drafting really happened
+    for pos in range(4):
+        a, b = counts["plain"][pos], counts["spec"][pos]
+        keys = [t for t in set(a) | set(b) if a.get(t, 0) + b.get(t, 0) >= 10]  # pool rare tokens
+        rare = [t for t in set(a) | set(b) if t not in keys]
+        cells = [(a.get(t, 0), b.get(t, 0)) for t in keys]
+        if rare:
+            cells.append((sum(a.get(t, 0) for t in rare), sum(b.get(t, 0) for t in rare)))
+        na, nb = sum(x for x, _ in cells), sum(y for _, y in cells)
+        chi2 = 0.0
+        for x, y in cells:
+            tot = x + y
+            for obs, n in ((x, na), (y, nb)):
+                exp = tot * n / (na + nb)
+                chi2 += (obs - exp) ** 2 / exp
+        df = len(cells) - 1
+        assert df >= 1
+        assert chi2 < _chi2_critical(df), f"position {pos}: chi2 {chi2:.1f} over {df} df"
+
+
+def test_prefetch_and_fallback_commit_the_same_tokens(peaky_model):
+    prompts = text_prompts()
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
+    outs = {}
+    for budget in (0, 16):
+        eng = TorchRolloutEngine(peaky_model, DrafterConfig(k=4, prefetch_budget=budget))
+        warm(eng, prompts, params, seed=2)
+        res = eng.generate(prompts, params, torch.Generator().manual_seed(7))
+        outs[budget] = ([r.completion_ids for r in res.rollouts], eng.last_stats)
+        eng.shutdown()
+    assert outs[0][0] == outs[16][0]
+    assert outs[0][1].coverage == 0.0 and outs[16][1].coverage > 0.2
+
+
+def test_history_caps_hold_over_a_long_run():
+    cfg = DrafterConfig(max_history=5, max_history_tokens=200, max_prompts=7, global_history=9)
+    d = NgramDrafter(cfg)
+    rng = random.Random(0)
+    for step in range(3000):
+        key = f"p{rng.randrange(20)}"
+        d.observe(key, [rng.randrange(50) for _ in range(rng.randrange(1, 80))])
+        assert len(d.histories) <= 7
+        for h in d.histories.values():
+            assert len(h.seqs) <= 5 and h.tokens <= 200
+            assert h.tokens == sum(len(s) for s in h.seqs.values())
+        assert len(d.global_history.seqs) <= 9
+    # indexes hold only live sequences
+    for h in list(d.histories.values()) + [d.global_history]:
+        live = set(h.seqs)
+        assert all(sid in live for occ in h.index.values() for sid, _ in occ)
+        assert sum(len(o) for o in h.unigram.values()) == h.tokens
+
+
+def test_drafter_proposes_from_the_prompt_history():
+    d = NgramDrafter(DrafterConfig(global_history=0))
+    d.observe("q", [1, 2, 3, 4, 5, 6])
+    d.observe("q", [1, 2, 3, 9, 9, 9])
+    d.observe("q", [1, 2, 3, 4, 5, 7])
+    st = d.start("q", [100, 101])
+    st.extend([1, 2, 3])
+    draft = d.propose(st, 3)
+    assert draft.tokens == [4, 5, 7]        # majority at position 0, then the newest
+    # support: history weight 2 x (1 + 0.01 x (16 - age)); ages 2, 1, 0 for the three completions
+    assert draft.alternatives[0] == pytest.approx({4: 2 * 1.14 + 2 * 1.16, 9: 2 * 1.15})
+    other = d.start("other", [100, 101])
+    other.extend([1, 2, 3])
+    assert d.propose(other, 3).tokens == []  # no history for this prompt, no cross-prompt source
+    mark = len(st.tokens)
+    st.extend([4, 5])
+    st.truncate(mark)
+    assert d.propose(st, 3).tokens == [4, 5, 7]
