@@ -43,3 +43,16 @@ def test_slot_match_scores():
     assert slot_match("a small red shape is shown while a low tone .", s) == 0.0
     assert slot_match("a small red thing is shown while a low tone plays .", s) == 0.0
     json.dumps(s)
+
+
+def test_demo_shards_are_shards_make_shards(demo_shards, capsys):
+    """The demo goes through the same writer as `loomrl shards make`: verify and inspect accept it."""
+    from loomrl.datasets.cli import main
+
+    _, files = demo_shards
+    assert main(["verify", *files]) == 0
+    assert main(["inspect", "--json", *files]) == 0
+    stats = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    samples = list(read_shards(files))
+    assert stats["samples"] == len(samples) == 24
+    assert stats["media_total"] == sum(len(s["media"]) for s in samples)

@@ -3,63 +3,306 @@
 A sample `KEY` is stored as `KEY.json` (id, prompt, answer, meta, and a media
 list of {kind, member, sha256}) plus one member per medium (`KEY.img0.png`,
 `KEY.aud0.wav`, ...). The sha256 is of the stored bytes: the same content hash
-the encoding cache keys on.
+the encoding cache keys on. Any tar tool and the stock `webdataset` pipeline
+read these shards; loomrl's own reader below adds the guards a training job
+needs against hostile or damaged tars:
+
+- member names: no absolute paths, no `..` components;
+- member types: regular files only (directories are skipped; links, devices,
+  fifos and sparse files are refused);
+- member sizes: bounded (`max_member_bytes`) before anything is read;
+- nothing is unpickled: members are raw bytes, only `.json` is parsed.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
-from typing import Iterable, Iterator
+import re
+import tarfile
+from dataclasses import dataclass, field
+from typing import BinaryIO, Iterable, Iterator, Optional
 
 from loomrl.encoders.media import content_hash
 
+MAX_MEMBER_BYTES = 64 << 20
+"""Default bound on one member (one image, clip or sample header)."""
 
-def write_shards(samples: Iterable[dict], pattern: str, maxcount: int) -> list[str]:
+KINDS = ("image", "audio")
+_SAFE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
+_SAFE_MEMBER = re.compile(r"[a-z0-9][a-z0-9_]*\.[a-z0-9]+")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class ShardError(ValueError):
+    """A fault in a shard, naming the shard and, where known, the sample and member."""
+
+    def __init__(self, shard: str, reason: str, key: Optional[str] = None, member: Optional[str] = None):
+        self.shard, self.key, self.member, self.reason = shard, key, member, reason
+        where = shard if key is None else f"{shard}:{key}"
+        super().__init__(f"{where}: {reason}" if member is None else f"{where}: member {member} {reason}")
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def shard_key(sample_id: str) -> str:
+    """The tar key of a sample: its id when that is a safe webdataset key, else a
+    readable, collision-free stand-in (the id itself is kept in the .json).
+
+    webdataset splits a member name at the first dot of its base name and skips
+    names like `__x__`, so ids with dots, slashes or leading underscores cannot
+    be keys as they are."""
+    if _SAFE_KEY.fullmatch(sample_id):
+        return sample_id
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "_", sample_id).strip("_-")[:60] or "sample"
+    return f"{stem}-{hashlib.sha256(sample_id.encode()).hexdigest()[:16]}"
+
+
+def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
+    # Fixed owner, mode and time: the same samples give byte-identical shards.
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.mode, ti.mtime = size, 0o444, 0
+    ti.uid = ti.gid = 0
+    ti.uname = ti.gname = ""
+    return ti
+
+
+def _sample_members(s: dict) -> list[tuple[str, bytes]]:
+    """(member name, bytes) of one sample, header first; validates the sample."""
+    sample_id = s.get("id")
+    if not isinstance(sample_id, str) or not sample_id:
+        raise ValueError(f"sample id must be a non-empty string, got {sample_id!r}")
+    key = shard_key(sample_id)
+    media, members = [], []
+    for kind, member, data in s.get("media", []):
+        if kind not in KINDS:
+            raise ValueError(f"sample {sample_id}: unknown medium kind {kind!r}")
+        if not _SAFE_MEMBER.fullmatch(member) or member == "json":
+            raise ValueError(f"sample {sample_id}: bad member name {member!r} (want e.g. img0.png)")
+        media.append({"kind": kind, "member": member, "sha256": content_hash(data)})
+        members.append((f"{key}.{member}", data))
+    if len({m for m, _ in members}) != len(members):
+        raise ValueError(f"sample {sample_id}: two media share a member name")
+    header = {k: s[k] for k in ("id", "prompt", "answer", "meta") if k in s}
+    return [(f"{key}.json", json.dumps({**header, "media": media}).encode())] + members
+
+
+def _tar_bytes(members: list[tuple[str, bytes]]) -> int:
+    """Bytes these members take in a tar: headers (with any pax extension) plus
+    data padded to 512-byte blocks."""
+    return sum(len(_tarinfo(n, len(d)).tobuf(tarfile.PAX_FORMAT)) + -(-len(d) // 512) * 512
+               for n, d in members)
+
+
+def _file_bytes(member_bytes: int) -> int:
+    """Size of a tar file holding `member_bytes` of members: two zero blocks end it
+    and tarfile pads it to a whole 10240-byte record."""
+    return -(-(member_bytes + 1024) // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
+
+
+def write_shards(samples: Iterable[dict], pattern: str, maxcount: int,
+                 maxsize: Optional[int] = None) -> list[str]:
     """Write samples {id, prompt, answer, meta, media: [(kind, member, bytes)]} to
-    tar shards named by `pattern` (printf-style, e.g. dir/name-%06d.tar)."""
-    import webdataset as wds
+    tar shards named by `pattern` (printf-style, e.g. dir/name-%06d.tar), at most
+    `maxcount` samples and (if given) `maxsize` bytes per shard; a single sample
+    larger than `maxsize` gets a shard of its own. Returns the shard paths.
 
+    This is the one writer: `loomrl shards make` and the demo shards both use it."""
+    if maxcount < 1:
+        raise ValueError(f"maxcount must be at least 1, got {maxcount}")
+    check_pattern(pattern)
     os.makedirs(os.path.dirname(pattern) or ".", exist_ok=True)
-    written: list[str] = []
-    # ShardWriter writes into the final names; write to .tmp names, rename at the end,
-    # so an interrupted write never leaves a shard that looks complete.
-    tmp_pattern = pattern + ".tmp"
-    with wds.ShardWriter(tmp_pattern, maxcount=maxcount, verbose=0) as sink:
+    # Write to .tmp names and rename at the end, so an interrupted write never
+    # leaves a set of shards that looks complete.
+    tmp_names: list[str] = []
+    keys: set[str] = set()
+    tar: Optional[tarfile.TarFile] = None
+    count = size = 0
+    try:
         for s in samples:
-            record = {"__key__": s["id"]}
-            media = []
-            for kind, member, data in s["media"]:
-                record[member] = data
-                media.append({"kind": kind, "member": member, "sha256": content_hash(data)})
-            header = {k: s[k] for k in ("id", "prompt", "answer", "meta") if k in s}
-            record["json"] = json.dumps({**header, "media": media}).encode()
-            sink.write(record)
-        count = sink.shard
-    for i in range(count):
-        tmp = tmp_pattern % i
-        final = pattern % i
-        os.replace(tmp, final)
-        written.append(final)
+            members = _sample_members(s)
+            key = members[0][0][: -len(".json")]
+            if key in keys:
+                raise ValueError(f"sample {s['id']}: duplicate sample key {key!r}")
+            keys.add(key)
+            need = _tar_bytes(members)
+            if tar is not None and (count >= maxcount or (maxsize and _file_bytes(size + need) > maxsize)):
+                tar.close()
+                tar = None
+            if tar is None:
+                tmp_names.append(pattern % len(tmp_names) + ".tmp")
+                tar = tarfile.open(tmp_names[-1], "w", format=tarfile.PAX_FORMAT)
+                count = size = 0
+            for name, data in members:
+                tar.addfile(_tarinfo(name, len(data)), io.BytesIO(data))
+            count += 1
+            size += need
+        if tar is not None:
+            tar.close()
+            tar = None
+    except BaseException:
+        if tar is not None:
+            tar.close()
+        for t in tmp_names:
+            if os.path.exists(t):
+                os.remove(t)
+        raise
+    written = []
+    for t in tmp_names:
+        os.replace(t, t[: -len(".tmp")])
+        written.append(t[: -len(".tmp")])
     return written
 
 
-def read_shards(files: list[str]) -> Iterator[dict]:
-    """Samples as {id, prompt, answer, meta, media: [(kind, sha256, bytes)], source}.
-    Raises ValueError naming the shard and member on a missing member or hash mismatch."""
-    import webdataset as wds
+def check_pattern(pattern: str) -> None:
+    """A shard pattern must number its shards: `dir/name-%06d.tar`."""
+    try:
+        a, b = pattern % 0, pattern % 1
+    except (TypeError, ValueError):
+        a = b = None
+    if a is None or a == b:
+        raise ValueError(f"shard pattern {pattern!r} needs one printf number field, e.g. 'dir/name-%06d.tar'")
 
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class SampleRef:
+    """Where one sample's members lie in a shard: enough to read it later by seeking."""
+
+    shard: str
+    key: str
+    members: dict[str, tuple[int, int]] = field(default_factory=dict)  # ext -> (data offset, size)
+
+
+def check_member(shard: str, ti: tarfile.TarInfo, max_member_bytes: int) -> None:
+    """Refuse a member a training job should never touch (raises ShardError)."""
+    name = ti.name
+    if not name or name.startswith("/") or re.match(r"^[A-Za-z]:[\\/]", name):
+        raise ShardError(shard, "has an absolute path", member=repr(name))
+    if ".." in re.split(r"[\\/]", name):
+        raise ShardError(shard, "has a '..' path component", member=repr(name))
+    if "\0" in name:
+        raise ShardError(shard, "has a NUL byte in its name", member=repr(name))
+    if ti.issym() or ti.islnk():
+        raise ShardError(shard, f"is a link (to {ti.linkname!r}); links are refused", member=name)
+    if ti.issparse() or not (ti.isreg() or ti.isdir()):
+        raise ShardError(shard, "is not a regular file (device, fifo or sparse); refused", member=name)
+    if ti.size > max_member_bytes:
+        raise ShardError(shard, f"is {ti.size} bytes, over the limit of {max_member_bytes}", member=name)
+
+
+def split_name(name: str) -> tuple[Optional[str], Optional[str]]:
+    """(key, extension) the way webdataset splits a member name: the key runs to
+    the first dot of the base name."""
+    m = re.match(r"^((?:.*/|)[^.]+)[.]([^/]*)$", name)
+    return (m.group(1), m.group(2)) if m else (None, None)
+
+
+def scan_shard(path: str, max_member_bytes: int = MAX_MEMBER_BYTES) -> Iterator[SampleRef]:
+    """The samples of a shard, from its tar headers alone (member data is skipped,
+    not read). Every member is checked (see `check_member`) before use.
+    Raises ShardError naming the shard and member on the first fault."""
+    try:
+        tf = tarfile.open(path, "r:")  # plain tars only: seekable, no decompression bombs
+    except FileNotFoundError:
+        raise ShardError(path, "does not exist") from None
+    except tarfile.TarError as e:
+        raise ShardError(path, f"is not a readable uncompressed tar ({e})") from None
+    seen: set[str] = set()
+    ref: Optional[SampleRef] = None
+    with tf:
+        while True:
+            try:
+                ti = tf.next()
+            except tarfile.TarError as e:
+                raise ShardError(path, f"is damaged after {ref.key if ref else 'the start'} ({e})") from None
+            if ti is None:
+                break
+            tf.members.clear()  # tarfile keeps every header otherwise; we keep our own index
+            check_member(path, ti, max_member_bytes)
+            if ti.isdir():
+                continue
+            key, ext = split_name(ti.name)
+            if key is None:
+                raise ShardError(path, "has no extension (want KEY.EXT)", member=ti.name)
+            if ref is None or key != ref.key:
+                if ref is not None:
+                    yield ref
+                if key in seen:
+                    raise ShardError(path, "reappears after other samples (members of a sample must be "
+                                           "consecutive)", key=key, member=ti.name)
+                seen.add(key)
+                ref = SampleRef(path, key)
+            if ext in ref.members:
+                raise ShardError(path, "appears twice in the sample", key=key, member=ti.name)
+            ref.members[ext] = (ti.offset_data, ti.size)
+    if ref is not None:
+        yield ref
+
+
+def read_member(fh: BinaryIO, ref: SampleRef, ext: str) -> bytes:
+    offset, size = ref.members[ext]
+    fh.seek(offset)
+    data = fh.read(size)
+    if len(data) != size:
+        raise ShardError(ref.shard, f"is truncated ({len(data)} of {size} bytes)", key=ref.key, member=ext)
+    return data
+
+
+def read_header(fh: BinaryIO, ref: SampleRef) -> dict:
+    """The parsed, schema-checked .json member of a sample."""
+    if "json" not in ref.members:
+        raise ShardError(ref.shard, "sample has no .json member", key=ref.key)
+    try:
+        header = json.loads(read_member(fh, ref, "json"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ShardError(ref.shard, f"is not valid JSON ({e})", key=ref.key, member="json") from None
+    problem = _header_problem(header)
+    if problem:
+        raise ShardError(ref.shard, problem, key=ref.key, member="json")
+    return header
+
+
+def _header_problem(h) -> Optional[str]:
+    if not isinstance(h, dict):
+        return "is not a JSON object"
+    if not isinstance(h.get("id"), str) or not isinstance(h.get("prompt"), str):
+        return "needs string fields id and prompt"
+    if not isinstance(h.get("media", []), list):
+        return "field media is not a list"
+    for m in h.get("media", []):
+        if not (isinstance(m, dict) and m.get("kind") in KINDS and isinstance(m.get("member"), str)
+                and isinstance(m.get("sha256"), str) and _SHA256.fullmatch(m["sha256"])):
+            return f"has a bad media entry {m!r} (want {{kind, member, sha256}})"
+    return None
+
+
+def load_sample(fh: BinaryIO, ref: SampleRef, check_hashes: bool = True) -> dict:
+    """A sample as {id, prompt, answer, meta, media: [(kind, sha256, bytes)], source}.
+    Raises ShardError naming shard, sample and member on a missing member or hash mismatch."""
+    header = read_header(fh, ref)
+    media = []
+    for m in header.get("media", []):
+        if m["member"] not in ref.members:
+            raise ShardError(ref.shard, "is missing", key=ref.key, member=m["member"])
+        data = read_member(fh, ref, m["member"])
+        if check_hashes and content_hash(data) != m["sha256"]:
+            raise ShardError(ref.shard, "does not match its sha256", key=ref.key, member=m["member"])
+        media.append((m["kind"], m["sha256"], data))
+    return {**header, "media": media, "source": f"{ref.shard}:{ref.key}"}
+
+
+def read_shards(files: list[str], max_member_bytes: int = MAX_MEMBER_BYTES) -> Iterator[dict]:
+    """Samples as {id, prompt, answer, meta, media: [(kind, sha256, bytes)], source},
+    in shard order. Raises ShardError (a ValueError) naming the shard and member on
+    a hostile member, a missing member or a hash mismatch."""
     for f in files:
-        for rec in wds.WebDataset(f, shardshuffle=False, empty_check=False):
-            where = f"{f}:{rec['__key__']}"
-            if "json" not in rec:
-                raise ValueError(f"{where}: sample has no .json member")
-            header = json.loads(rec["json"])
-            media = []
-            for m in header.get("media", []):
-                data = rec.get(m["member"])
-                if data is None:
-                    raise ValueError(f"{where}: member {m['member']} is missing")
-                if content_hash(data) != m["sha256"]:
-                    raise ValueError(f"{where}: member {m['member']} does not match its sha256")
-                media.append((m["kind"], m["sha256"], data))
-            yield {**header, "media": media, "source": where}
+        if not os.path.isfile(f):
+            raise ShardError(f, "does not exist or is not a file")
+        with open(f, "rb") as fh:
+            for ref in scan_shard(f, max_member_bytes):
+                yield load_sample(fh, ref)

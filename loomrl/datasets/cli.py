@@ -1,0 +1,185 @@
+"""`loomrl shards make | verify | inspect`.
+
+Exit codes: 0 fine; 1 the data has faults (a rejection under --strict, no
+sample written, a verify fault, an unreadable shard); 2 the command itself is
+wrong (bad option, no such manifest, no shard matches, output exists).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def byte_count(text: str) -> int:
+    """'3000000', '500MB', '1.5GiB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 500MB, 1GiB, 3000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def expand(patterns: list[str]) -> list[str]:
+    """Shard files of glob / brace patterns (or plain paths the shell already expanded)."""
+    from loomrl.platform.recipe import expand_pattern
+
+    files: list[str] = []
+    for p in patterns:
+        files.extend(f for f in expand_pattern(p) if f not in files)
+    return files
+
+
+def progress_wanted() -> bool:
+    return sys.stderr.isatty()
+
+
+# --------------------------------------------------------------------------- make
+
+
+def cmd_make(args) -> int:
+    from loomrl.datasets.prepare import Limits, make_shards, print_rejection
+    from loomrl.datasets.shards import check_pattern
+
+    try:
+        check_pattern(args.out)
+    except ValueError as e:
+        print(f"error: --out: {e}", file=sys.stderr)
+        return 2
+    existing = existing_shards(args.out)
+    if existing:
+        print(f"error: --out: {len(existing)} file(s) already match {args.out!r} (first: {existing[0]}); "
+              f"remove them or choose another --out", file=sys.stderr)
+        return 2
+    limits = Limits(sample_rate=args.sample_rate, max_pixels=args.max_pixels,
+                    max_audio_seconds=args.max_audio_seconds, max_file_bytes=args.max_file_bytes)
+    try:
+        result = make_shards(args.source, args.out, maxcount=args.maxcount, maxsize=args.maxsize,
+                             limits=limits, workers=args.workers, on_reject=print_rejection,
+                             progress=progress_wanted())
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result.summary())
+    if result.rejected:
+        print(f"rejections listed in {_rejected_path(args.out)}")
+    if result.samples == 0:
+        print("error: no sample passed validation; nothing was written", file=sys.stderr)
+        return 1
+    if args.strict and result.rejected:
+        print(f"error: --strict: {len(result.rejected)} sample(s) rejected", file=sys.stderr)
+        return 1
+    return 0
+
+
+def existing_shards(pattern: str) -> list[str]:
+    """Files (and leftover .tmp files) a printf shard pattern would name."""
+    folder, name = os.path.split(pattern)
+    if not os.path.isdir(folder or "."):
+        return []
+    parts = re.split(r"%[-#0 +]*\d*[diouxX]", name)
+    regex = r"[0-9a-fA-F]+".join(re.escape(p) for p in parts) + r"(\.tmp)?"
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder or ".") if re.fullmatch(regex, f))
+
+
+def _rejected_path(pattern: str) -> str:
+    return os.path.join(os.path.dirname(pattern) or ".", "rejected.jsonl")
+
+
+# --------------------------------------------------------------------------- verify / inspect
+
+
+def cmd_verify(args) -> int:
+    from loomrl.datasets.check import verify_shards
+
+    files = expand(args.patterns)
+    if not files:
+        print(f"error: no shards match {' '.join(args.patterns)}", file=sys.stderr)
+        return 2
+    result = verify_shards(files, on_fault=lambda f: print(f"FAULT {f}", file=sys.stderr, flush=True),
+                           progress=progress_wanted(), sample_rate=args.sample_rate,
+                           max_pixels=args.max_pixels, max_member_bytes=args.max_member_bytes)
+    status = "OK" if not result.faults else f"{len(result.faults)} FAULT(S)"
+    print(f"verified {result.samples} samples in {result.shards} shard(s): {status}")
+    return 1 if result.faults else 0
+
+
+def cmd_inspect(args) -> int:
+    from loomrl.datasets.check import shard_stats
+
+    files = expand(args.patterns)
+    if not files:
+        print(f"error: no shards match {' '.join(args.patterns)}", file=sys.stderr)
+        return 2
+    try:
+        stats = shard_stats(files, args.max_member_bytes)
+    except (ShardError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats, indent=1))
+        return 0
+    mb = 1e6
+    print(f"shards        {stats['shards']} ({stats['shard_bytes'] / mb:.2f} MB)")
+    print(f"samples       {stats['samples']}")
+    print("modalities    " + ", ".join(f"{k} {v}" for k, v in stats["modalities"].items()))
+    print(f"media         {stats['media_total']} (" + ", ".join(f"{k} {v}" for k, v in stats["media"].items())
+          + f"), {stats['media_bytes'] / mb:.2f} MB")
+    print(f"unique media  {stats['media_unique']} by sha256, {stats['media_unique_bytes'] / mb:.2f} MB")
+    print("shard sizes:")
+    for s in stats["shard_sizes"]:
+        print(f"  {s['file']}  {s['samples']} samples  {s['bytes'] / mb:.2f} MB")
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="loomrl shards", description="Prepare, verify and inspect webdataset shards.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make", help="validate a JSONL manifest's samples and write shards",
+                       description="Validate every sample of a JSONL manifest (or a folder of them) and write "
+                                   "the good ones to tar shards; bad ones go to DIR/rejected.jsonl.")
+    p.add_argument("source", help="manifest .jsonl, or a folder of .jsonl files")
+    p.add_argument("--out", required=True, help="shard pattern, e.g. 'data/train/train-%%06d.tar'")
+    p.add_argument("--maxcount", type=int, default=1000, help="samples per shard (default 1000)")
+    p.add_argument("--maxsize", type=byte_count, default=None, help="bytes per shard, e.g. 1GB (default: no limit)")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any sample is rejected")
+    p.add_argument("--sample-rate", type=int, default=16000, help="audio is stored mono at this rate (Hz)")
+    p.add_argument("--max-pixels", type=int, default=50_000_000, help="largest image (width x height)")
+    p.add_argument("--max-audio-seconds", type=float, default=60.0, help="longest clip")
+    p.add_argument("--max-file-bytes", type=byte_count, default=MAX_MEMBER_BYTES,
+                   help=f"largest media file, as read and as stored (default {MAX_MEMBER_BYTES})")
+    p.add_argument("--workers", type=int, default=4, help="decoding threads (default 4)")
+    p.set_defaults(fn=cmd_make)
+
+    for name, fn, text in (("verify", cmd_verify, "read every sample back: hashes, decodability"),
+                           ("inspect", cmd_inspect, "counts, modalities, unique media, bytes, shard sizes")):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("patterns", nargs="+", metavar="PATTERN", help="shard files, globs or brace ranges")
+        p.add_argument("--max-member-bytes", type=byte_count, default=MAX_MEMBER_BYTES,
+                       help="largest tar member accepted")
+        if name == "verify":
+            p.add_argument("--sample-rate", type=int, default=16000, help="rate audio is decoded at")
+            p.add_argument("--max-pixels", type=int, default=50_000_000, help="largest image accepted")
+        else:
+            p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+        p.set_defaults(fn=fn)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

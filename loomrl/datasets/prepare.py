@@ -1,0 +1,264 @@
+"""`loomrl shards make`: manifest -> validated media -> shards + rejected.jsonl.
+
+Every medium is decoded before it is stored, so a shard never holds a file the
+trainer cannot read:
+
+- images are opened with Pillow under a pixel limit (decompression bombs are
+  refused from the header, before any pixel is decoded) and fully decoded
+  (truncated files fail here). A PNG, JPEG or WebP that decodes is stored as
+  its original bytes, so its hash is the sha256 of the source file; any other
+  format (BMP, TIFF, GIF, ...) is stored as a lossless PNG of its first frame.
+- audio is read with soundfile (length checked from the header first), mixed
+  to mono, resampled with torchaudio to the target rate and stored as 16-bit
+  PCM WAV (the demo's format; 96 dB of range is more than a log-mel front end
+  resolves, at half the bytes of float).
+
+A bad sample never stops the job and is never dropped silently: it becomes a
+Rejection (stderr, rejected.jsonl, summary counts).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Union
+
+import numpy as np
+
+from loomrl.datasets.manifest import Entry, Manifest, Rejection
+from loomrl.datasets.shards import MAX_MEMBER_BYTES, write_shards
+
+KEEP_IMAGE_FORMATS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
+
+
+@dataclass
+class Limits:
+    """What `make` accepts; each is a command-line option."""
+
+    sample_rate: int = 16000
+    max_pixels: int = 50_000_000
+    max_audio_seconds: float = 60.0
+    max_file_bytes: int = MAX_MEMBER_BYTES
+
+
+class Reject(Exception):
+    """A medium that cannot go into a shard: a countable code and a readable reason."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+# --------------------------------------------------------------------------- media
+
+
+def prepare_image(data: bytes, limits: Limits) -> tuple[str, bytes]:
+    """(extension, bytes to store) of a valid image; raises Reject."""
+    from PIL import Image, UnidentifiedImageError
+
+    from loomrl.encoders.media import decode_image
+
+    try:
+        # The same decoder the trainer uses, with the same pixel guard.
+        img = decode_image(data, limits.max_pixels)
+        with Image.open(io.BytesIO(data)) as probe:
+            fmt = probe.format
+    except UnidentifiedImageError:
+        raise Reject("not-an-image", "not an image Pillow can identify") from None
+    except ValueError as e:
+        if "exceeds the limit" in str(e) or "decompression bomb" in str(e).lower():
+            raise Reject("image-too-large", str(e)) from None
+        raise Reject("bad-image", f"cannot decode: {e}") from None
+    except Exception as e:  # truncated or corrupt data: OSError, SyntaxError, zlib errors, ...
+        raise Reject("bad-image", f"cannot decode ({type(e).__name__}: {e})") from None
+    if fmt in KEEP_IMAGE_FORMATS:
+        return KEEP_IMAGE_FORMATS[fmt], data
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "png", buf.getvalue()
+
+
+def prepare_audio(data: bytes, limits: Limits) -> bytes:
+    """Mono 16-bit WAV at the target rate of a valid clip; raises Reject."""
+    import soundfile as sf
+
+    try:
+        info = sf.info(io.BytesIO(data))
+    except Exception as e:  # libsndfile: "Format not recognised", "unspecified internal error", ...
+        raise Reject("bad-audio", f"not audio soundfile can read ({_sf_message(e)})") from None
+    # Check the length from the header before decoding: a 10-hour file is refused cheaply.
+    if info.frames > limits.max_audio_seconds * info.samplerate:
+        raise Reject("audio-too-long", f"clip of {info.frames / info.samplerate:.1f} s is over the limit "
+                                       f"of {limits.max_audio_seconds:g} s")
+    try:
+        wave, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as e:
+        raise Reject("bad-audio", f"cannot decode ({_sf_message(e)})") from None
+    if wave.size == 0:
+        raise Reject("empty-audio", "clip has no samples")
+    if not np.isfinite(wave).all():
+        raise Reject("bad-audio", "clip has NaN or infinite samples")
+    wave = wave.mean(axis=1)
+    if sr != limits.sample_rate:
+        import torch
+        import torchaudio.functional as AF
+
+        wave = AF.resample(torch.from_numpy(wave), sr, limits.sample_rate).numpy()
+    if wave.size == 0:
+        raise Reject("empty-audio", f"clip is shorter than one sample at {limits.sample_rate} Hz")
+    buf = io.BytesIO()
+    # Resampling can overshoot full scale a little; clip rather than let PCM wrap.
+    sf.write(buf, np.clip(wave, -1.0, 1.0), limits.sample_rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def _sf_message(e: Exception) -> str:
+    # soundfile names the in-memory buffer ("Error opening <_io.BytesIO object at 0x..>: ...");
+    # the file is named elsewhere, so keep only libsndfile's reason.
+    return re.sub(r"^Error opening <[^>]*>: ", "", str(e)).strip() or type(e).__name__
+
+
+def read_file(path: str, limits: Limits) -> bytes:
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise Reject("missing-file", "file does not exist") from None
+    except OSError as e:
+        raise Reject("unreadable-file", f"cannot stat ({e.strerror})") from None
+    if size > limits.max_file_bytes:
+        raise Reject("file-too-large", f"file of {size} bytes is over the limit of {limits.max_file_bytes}")
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(limits.max_file_bytes + 1)
+    except OSError as e:  # a folder, no permission, I/O error
+        raise Reject("unreadable-file", f"cannot read ({e.strerror or e})") from None
+
+
+def prepare_entry(entry: Entry, limits: Limits) -> Union[dict, Rejection]:
+    """A writable sample {id, prompt, answer, meta, media: [(kind, member, bytes)]}, or the
+    Rejection of its first bad medium."""
+    media = []
+    counts = Counter()
+    for kind, path in entry.media:
+        try:
+            data = read_file(path, limits)
+            if not data:
+                raise Reject("empty-file", "file is empty (0 bytes)")
+            if kind == "image":
+                ext, stored = prepare_image(data, limits)
+            else:
+                ext, stored = "wav", prepare_audio(data, limits)
+            if len(stored) > limits.max_file_bytes:
+                raise Reject("file-too-large", f"stored form of {len(stored)} bytes is over the limit "
+                                               f"of {limits.max_file_bytes}")
+        except Reject as r:
+            return Rejection(entry.id, entry.where, r.code, r.reason, file=path)
+        prefix = "img" if kind == "image" else "aud"
+        media.append((kind, f"{prefix}{counts[kind]}.{ext}", stored))
+        counts[kind] += 1
+    sample = {"id": entry.id, "prompt": entry.prompt, "meta": entry.meta, "media": media}
+    if entry.answer is not None:
+        sample["answer"] = entry.answer
+    return sample
+
+
+# --------------------------------------------------------------------------- the job
+
+
+@dataclass
+class MakeResult:
+    shards: list[str] = field(default_factory=list)
+    samples: int = 0
+    media: Counter = field(default_factory=Counter)  # kind -> count
+    media_bytes: int = 0
+    rejected: list[Rejection] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        codes = Counter(r.code for r in self.rejected)
+        total = sum(os.path.getsize(s) for s in self.shards)
+        text = (f"wrote {self.samples} samples ({self.media['image']} images, {self.media['audio']} clips, "
+                f"{self.media_bytes / 1e6:.1f} MB of media) to {len(self.shards)} shard(s), "
+                f"{total / 1e6:.1f} MB, in {self.seconds:.1f} s")
+        if self.rejected:
+            text += f"; rejected {len(self.rejected)}: " + ", ".join(f"{n} {c}" for c, n in codes.most_common())
+        else:
+            text += "; rejected 0"
+        return text
+
+
+def make_shards(source: str, pattern: str, *, maxcount: int = 1000, maxsize: Optional[int] = None,
+                limits: Limits = Limits(), workers: int = 4,
+                on_reject: Callable[[Rejection], None] = lambda r: None,
+                progress: bool = False) -> MakeResult:
+    """Validate every sample of the manifest(s) at `source` and write the good ones
+    with `write_shards`; every rejection goes to `on_reject` and to
+    DIR/rejected.jsonl (DIR = the pattern's folder; written even when empty)."""
+    import time
+
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    manifest = Manifest.from_source(source)
+    result = MakeResult()
+    out_dir = os.path.dirname(pattern) or "."
+    os.makedirs(out_dir, exist_ok=True)
+    bar = tqdm(total=manifest.count_lines() if progress else None, disable=not progress,
+               unit="sample", desc="shards make", dynamic_ncols=True)
+
+    def reject(r: Rejection) -> None:
+        result.rejected.append(r)
+        rej_file.write(json.dumps(r.to_json()) + "\n")
+        on_reject(r)
+
+    def good_samples() -> Iterator[dict]:
+        # Decoding runs in threads (Pillow, libsndfile and torch release the GIL);
+        # results come back in manifest order, so the shards are deterministic.
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            pending = []
+            for item in manifest.entries():
+                pending.append(pool.submit(prepare_entry, item, limits) if isinstance(item, Entry) else item)
+                if len(pending) >= 4 * max(1, workers):
+                    yield from settle(pending.pop(0))
+            for p in pending:
+                yield from settle(p)
+
+    def settle(p) -> Iterator[dict]:
+        bar.update(1)
+        out = p if isinstance(p, Rejection) else p.result()
+        if isinstance(out, Rejection):
+            reject(out)
+            return
+        result.samples += 1
+        for kind, _, data in out["media"]:
+            result.media[kind] += 1
+            result.media_bytes += len(data)
+        yield out
+
+    import torch
+
+    # Samples are decoded in parallel threads; torch's own intra-op threads for each
+    # small resample would only oversubscribe the cores (measured: 1000 samples took
+    # 27 s instead of 4.6 s on 2 busy cores). Restored afterwards.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with open(os.path.join(out_dir, "rejected.jsonl"), "w") as rej_file:
+        try:
+            result.shards = write_shards(good_samples(), pattern, maxcount, maxsize)
+        finally:
+            bar.close()
+            torch.set_num_threads(torch_threads)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def print_rejection(r: Rejection) -> None:
+    """One line on stderr per rejected sample: id, file, reason."""
+    what = f"id={r.id}" if r.id is not None else "line"
+    file = f" file={r.file}" if r.file else ""
+    print(f"rejected {what} ({r.where}){file}: {r.code}: {r.reason}", file=sys.stderr, flush=True)
