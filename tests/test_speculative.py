@@ -44,7 +44,7 @@ def test_greedy_tokens_identical_with_and_without_drafting(peaky_model, samples)
     a, b = plain.generate(prompts, params), spec.generate(prompts, params)
     assert [r.completion_ids for r in a.rollouts] == [r.completion_ids for r in b.rollouts]
     for x, y in zip(a.rollouts, b.rollouts):
-        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)  # logits of this peaky model are ~10x the demo's
     acc = spec.last_stats.acceptance_by_position()
     assert b.forwards < a.forwards and 0 < acc[0] < 1  # some drafts accepted, some rejected
     assert b.tokens_per_forward > 1.0 and a.tokens_per_forward == 1.0

@@ -172,6 +172,9 @@ class DrafterConfig:
     prefetch_budget: int = 16
     """Candidate (accepted length, bonus token) outcomes the prefetcher prepares per
     sequence while the target verifies (0 = no prefetch, plain lookups)."""
+    compare_every: int = 0
+    """Every N RL steps also generate the same batch without drafting (same weights,
+    timing only, discarded) and log the speed-up measured side by side (0 = never)."""
 
 
 @dataclass

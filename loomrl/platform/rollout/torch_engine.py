@@ -160,42 +160,64 @@ class TorchRolloutEngine:
                 step_ids[i, :1 + len(d)] = torch.tensor([tokens[i][-1]] + d)
                 step_mask[i, :1 + len(d)] = 1
             mask = torch.cat([mask, step_mask], dim=1)
+            col0 = mask.shape[1] - width
             future = self._pool.submit(self._prefetch, states, dict(drafts), k) if self._pool and drafts else None
             logits, cache = model.forward_embeds(model.language_model.embed(step_ids), mask, cache)
             forwards += 1
             logp = model.token_logprobs(logits, report_t)                       # [B, W, V]
             probs = target_probs(logp, params.temperature, params.top_p)
             prepared = future.result() if future is not None else {}
-            u = torch.rand((b, width), generator=generator)
-            col0 = mask.shape[1] - width
+            # Verify every row at once: accepted length j, then the bonus token.
+            draft = torch.full((b, width - 1), -1, dtype=torch.long)
+            for i in live:
+                if i in drafts and drafts[i].tokens:
+                    draft[i, :len(drafts[i].tokens)] = torch.tensor(drafts[i].tokens)
+            valid = draft >= 0
+            p_draft = probs[:, :-1].gather(-1, draft.clamp(min=0)[..., None]).squeeze(-1)
+            u = torch.rand((b, width - 1), generator=generator)
+            accept = (u < p_draft) & valid
+            j = accept.long().cumprod(dim=1).sum(dim=1)                          # [B]
+            rows_ = torch.arange(b)
+            dist = probs[rows_, j].clone()                                      # [B, V]
+            rejected = j < valid.sum(dim=1)
+            # residual of a rejected deterministic draft: p' without the drafted token
+            dist[rows_[rejected], draft[rows_[rejected], j[rejected]]] = 0.0
+            dist[~torch.tensor([not done[i] for i in range(b)])] = 1.0  # finished rows: any token
+            bonus = torch.multinomial(dist / dist.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)
+            committed = torch.where(torch.arange(width)[None, :] < j[:, None],
+                                    torch.cat([draft.clamp(min=0), torch.zeros((b, 1), dtype=torch.long)], dim=1),
+                                    bonus[:, None])                             # [B, W]; valid up to j
+            committed_logp = logp.gather(-1, committed[..., None]).squeeze(-1)
+            # roll back: draft columns at or after the first rejection leave attention
+            cols = torch.arange(1, width)[None, :]
+            mask[:, col0 + 1:] = mask[:, col0 + 1:] * ((cols - 1) < j[:, None]).long()
+            n_drafted = valid.sum(dim=0).tolist()
+            n_accepted = accept.long().cumprod(dim=1).sum(dim=0).tolist()
+            for pos in range(width - 1):
+                stats.drafted_by_pos[pos] += n_drafted[pos]
+                stats.accepted_by_pos[pos] += n_accepted[pos]
+            j_list, comm_list, comm_logp = j.tolist(), committed.tolist(), committed_logp.tolist()
             next_drafts: dict[int, Draft] = {}
             for i in live:
-                d = drafts[i].tokens if i in drafts else []
-                j = 0
-                while j < len(d) and float(u[i, j]) < float(probs[i, j, d[j]]):
-                    j += 1
-                dist = probs[i, j].clone()
-                if j < len(d):
-                    dist[d[j]] = 0.0  # residual of a rejected deterministic draft: p without x
-                bonus = int(torch.multinomial(dist / dist.sum(), 1, generator=generator))
-                new = d[:j] + [bonus]
-                for pos in range(len(d)):
-                    stats.drafted_by_pos[pos] += 1
-                    stats.accepted_by_pos[pos] += pos < j
-                mask[i, col0 + 1 + j:col0 + width] = 0  # roll back rejected draft tokens
+                ji = j_list[i]
+                new = comm_list[i][:ji + 1]
+                new_logp = comm_logp[i][:ji + 1]
                 if model.eos_token_id in new:
-                    new = new[:new.index(model.eos_token_id) + 1]
+                    cut = new.index(model.eos_token_id) + 1
+                    new, new_logp = new[:cut], new_logp[:cut]
                 tokens[i].extend(new)
-                logps[i].extend(float(logp[i, p, t]) for p, t in enumerate(new))
+                logps[i].extend(new_logp)
                 if new[-1] == model.eos_token_id or len(tokens[i]) >= params.max_new_tokens:
                     done[i] = True
                     continue
                 if self.drafter:
                     states[i].extend(new)
+                    n_d = len(drafts[i].tokens) if i in drafts else 0
+                    outcome = (ji, new[-1])
                     if self.prefetcher:
-                        self.prefetcher.observe(len(d), j, (j, bonus) in prepared.get(i, {}))
+                        self.prefetcher.observe(n_d, ji, outcome in prepared.get(i, {}))
                     remaining = min(k, params.max_new_tokens - 1 - len(tokens[i]))
-                    ready = prepared.get(i, {}).get((j, bonus))
+                    ready = prepared.get(i, {}).get(outcome)
                     stats.outcomes += 1
                     if ready is not None:
                         stats.prefetched += 1
