@@ -49,6 +49,9 @@ class Draft:
     # alternatives[i]: {token: support} for position i among occurrences agreeing with
     # tokens[:i], the drafted token included; used to predict the target's bonus token.
     alternatives: list[dict[int, float]] = field(default_factory=list)
+    # backoff[i]: {token: count} of what followed the last two tokens of context + tokens[:i]
+    # anywhere in this prompt's history and the request (filled only when asked: prefetch).
+    backoff: list[dict[int, float]] = field(default_factory=list)
 
 
 class _History:
@@ -162,16 +165,35 @@ class NgramDrafter:
 
     # ------------------------------------------------------------------ proposal
 
-    def propose(self, state: DraftState, k: int) -> Draft:
-        """Up to k draft tokens continuing state.tokens."""
+    def propose(self, state: DraftState, k: int, backoff: bool = False) -> Draft:
+        """Up to k draft tokens continuing state.tokens. backoff: also count, for each
+        position, every continuation of its last two tokens (for the prefetcher)."""
         ctx = state.tokens
         if k <= 0 or not ctx:
             return Draft([])
         hist = self.histories.get(state.key)
         cands = self._occurrences(ctx, hist, state)
-        if not cands:
-            return Draft([])
-        return _walk(cands, k)
+        draft = _walk(cands, k) if cands else Draft([])
+        if backoff:
+            draft.backoff = [self._next_counts(ctx + draft.tokens[:i], hist, state)
+                             for i in range(len(draft.tokens) + 1)]
+        return draft
+
+    def _next_counts(self, ctx: list[int], hist: _History | None, state: DraftState) -> dict[int, float]:
+        counts: dict[int, float] = defaultdict(float)
+        if len(ctx) < 2:
+            return counts
+        key = (ctx[-2], ctx[-1])
+        if hist is not None:
+            for sid, pos in (hist.index.get(key) or ())[-MAX_OCCURRENCES:]:
+                seq = hist.seqs[sid]
+                if pos < len(seq):
+                    counts[seq[pos]] += 1
+        own = state.tokens
+        for pos in (state.index.get(key) or ())[-MAX_OCCURRENCES:]:
+            if pos < len(own):
+                counts[own[pos]] += 1
+        return counts
 
     def _occurrences(self, ctx: list[int], hist: _History | None, state: DraftState):
         """[(sequence, next_pos, weight)]: the longest-matching occurrences in this prompt's

@@ -10,10 +10,11 @@ what has been observed so far:
     P(j, b) = P(j | draft length) * P(b | j)
 
 P(j | L) is a running histogram of accepted lengths for drafts of length L
-(add-one smoothed). P(b | j) comes from the drafter's own support counts at
-position j: after a rejection at j the target picks one of the other
-continuations seen there (the rejected token excluded); after a full accept
-(j = L) it picks one of those seen at position L. An outcome not prepared
+(add-one smoothed). P(b | j) mixes two of the drafter's counts at position j:
+the support of the other continuations among the draft's own matches, and the
+backoff counts of everything that followed the same two tokens in this
+prompt's history and the request (the rejected token excluded in both; after
+a full accept, j = L, the counts at position L). An outcome not prepared
 falls back to a plain lookup: the draft is the same either way (the drafter
 is deterministic in the context), so committed tokens never change.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 from loomrl.platform.rollout.drafter import Draft
 
 SMOOTH = 1.0  # pseudo-count for unseen bonus tokens ("something else") and for P(j | L)
+BACKOFF = 0.5  # share of P(b | j) given to the wider backoff counts (all continuations of the bigram)
 
 
 class FanoutPrefetcher:
@@ -41,11 +43,14 @@ class FanoutPrefetcher:
         scored = []
         for j in range(L + 1):
             p_j = (hist[j] + SMOOTH) / total
-            votes = draft.alternatives[j] if j < len(draft.alternatives) else {}
-            others = {t: v for t, v in votes.items() if j == L or t != draft.tokens[j]}
-            mass = sum(others.values()) + SMOOTH
-            for tok, v in others.items():
-                scored.append((p_j * v / mass, j, tok))
+            p_b: dict[int, float] = {}
+            for source, share in ((draft.alternatives, 1 - BACKOFF), (draft.backoff, BACKOFF)):
+                votes = source[j] if j < len(source) else {}
+                others = {t: v for t, v in votes.items() if j == L or t != draft.tokens[j]}
+                mass = sum(others.values()) + SMOOTH
+                for tok, v in others.items():
+                    p_b[tok] = p_b.get(tok, 0.0) + share * v / mass
+            scored.extend((p_j * p, j, tok) for tok, p in p_b.items())
         scored.sort(key=lambda s: -s[0])
         return [(j, tok) for _, j, tok in scored[:self.budget]]
 

@@ -97,7 +97,7 @@ class TorchRolloutEngine:
 
     def _propose(self, state, k: int, stats: DraftStats) -> Draft:
         t0 = time.perf_counter()
-        d = self.drafter.propose(state, k)
+        d = self.drafter.propose(state, k, backoff=self._pool is not None)
         stats.lookup_s += time.perf_counter() - t0
         stats.lookups += 1
         return d
@@ -111,7 +111,7 @@ class TorchRolloutEngine:
             prepared[i] = {}
             for j, b in self.prefetcher.plan(d):
                 st.extend(d.tokens[:j] + [b])
-                prepared[i][(j, b)] = self.drafter.propose(st, k)
+                prepared[i][(j, b)] = self.drafter.propose(st, k, backoff=True)
                 st.truncate(mark)
         return prepared
 
