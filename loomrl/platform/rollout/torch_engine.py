@@ -95,9 +95,14 @@ class TorchRolloutEngine:
 
     # ------------------------------------------------------------------ drafting
 
-    def _propose(self, state, k: int, stats: DraftStats) -> Draft:
+    def _propose(self, state, k: int, stats: DraftStats, memo: dict) -> Draft:
+        # Sequences of one prompt often share their whole context (n samples start alike):
+        # the drafter is deterministic in (prompt, context, k), so draft once for them.
         t0 = time.perf_counter()
-        d = self.drafter.propose(state, k, backoff=self._pool is not None)
+        key = (state.key, k, tuple(state.tokens))
+        d = memo.get(key)
+        if d is None:
+            d = memo[key] = self.drafter.propose(state, k, backoff=self._pool is not None)
         stats.lookup_s += time.perf_counter() - t0
         stats.lookups += 1
         return d
@@ -143,10 +148,12 @@ class TorchRolloutEngine:
         states = ([self.drafter.start(prompts[pi].id, prompts[pi].ids + tokens[i]) for i, (pi, _) in enumerate(rows)]
                   if self.drafter else None)
         drafts: dict[int, Draft] = {}
+        memo: dict = {}
         if self.drafter:
             for i in range(b):
                 if not done[i]:
-                    drafts[i] = self._propose(states[i], min(k, params.max_new_tokens - 1 - len(tokens[i])), stats)
+                    drafts[i] = self._propose(states[i], min(k, params.max_new_tokens - 1 - len(tokens[i])),
+                                              stats, memo)
 
         seq_forwards = b
         while not all(done):
@@ -198,6 +205,7 @@ class TorchRolloutEngine:
                 stats.accepted_by_pos[pos] += n_accepted[pos]
             j_list, comm_list, comm_logp = j.tolist(), committed.tolist(), committed_logp.tolist()
             next_drafts: dict[int, Draft] = {}
+            memo = {}
             for i in live:
                 ji = j_list[i]
                 new = comm_list[i][:ji + 1]
@@ -223,7 +231,7 @@ class TorchRolloutEngine:
                         stats.prefetched += 1
                         next_drafts[i] = Draft(ready.tokens[:remaining], ready.alternatives[:remaining + 1])
                     else:
-                        next_drafts[i] = self._propose(states[i], remaining, stats)
+                        next_drafts[i] = self._propose(states[i], remaining, stats, memo)
             drafts = next_drafts
         model.train(was_training)
         self.last_stats = stats
