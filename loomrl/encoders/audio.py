@@ -27,6 +27,12 @@ def num_audio_tokens(cfg: AudioConfig) -> int:
     return num_frames(cfg) // 4  # conv stride 2, then avg-pool 2
 
 
+def preprocess_settings(cfg: AudioConfig) -> dict:
+    """Everything that decides a clip's log-mel features: part of its encoding-cache key."""
+    return {"kind": "audio", "sample_rate": cfg.sample_rate, "num_mel_bins": cfg.num_mel_bins,
+            "frames": num_frames(cfg), "n_fft": N_FFT, "hop": HOP, "log_mel": "whisper"}
+
+
 _MEL: dict[tuple[int, int], torch.nn.Module] = {}
 
 
@@ -70,4 +76,4 @@ def build_audio_tower(cfg: AudioConfig, init_std: float):
 
 def encode_audio(tower, features: torch.Tensor) -> torch.Tensor:
     """[B, tokens, d_model] for log-mel features [B, mel, frames]."""
-    return tower(features).last_hidden_state
+    return tower(features.to(tower.conv1.weight.dtype)).last_hidden_state

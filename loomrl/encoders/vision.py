@@ -37,6 +37,14 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
+def preprocess_settings(cfg: VisionConfig) -> dict:
+    """Everything that decides an image's patches: part of its encoding-cache key."""
+    return {"kind": "image", "patch_size": cfg.patch_size, "temporal_patch_size": cfg.temporal_patch_size,
+            "spatial_merge_size": cfg.spatial_merge_size, "min_pixels": cfg.min_pixels,
+            "max_pixels": cfg.max_pixels, "resample": "bicubic",
+            "mean": CLIP_MEAN.tolist(), "std": CLIP_STD.tolist()}
+
+
 def preprocess_image(image: Image.Image, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
     factor = cfg.patch_size * cfg.spatial_merge_size
     image = image.convert("RGB")
@@ -74,5 +82,6 @@ def build_vision_tower(cfg: VisionConfig, out_dim: int, init_std: float):
 
 
 def encode_images(tower, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
-    """Merged image tokens [sum(tokens), out_dim] for concatenated patches."""
-    return tower(patches, grid_thw=grids).pooler_output
+    """Merged image tokens [sum(tokens), out_dim] for concatenated patches (Qwen2-VL and
+    Qwen2.5-VL towers alike)."""
+    return tower(patches.to(tower.dtype), grid_thw=grids).pooler_output

@@ -111,11 +111,15 @@ def run_warmup(recipe: R.Recipe, model: VLM, tokenizer, source: PromptSource, lo
 # --------------------------------------------------------------------------- RL
 
 
-def grpo_loss_fn(recipe: R.Recipe):
+def grpo_loss_fn(recipe: R.Recipe, shared=None):
+    """The GRPO micro-batch loss. shared: a loomrl.encoders.cache.SharedEncodings whose
+    encodings of the current mini-batch every micro-batch uses (None: encode per micro-batch)."""
     a, temperature = recipe.algorithm, recipe.rollout.temperature
 
     def loss_fn(model: VLM, mb: MicroBatch):
-        logp, entropy = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature)
+        encodings = shared.encodings if shared is not None else None
+        logp, entropy = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature,
+                                                encodings)
         old = mb.old_logp if mb.old_logp is not None else logp.detach()
         loss, stats = policy_loss(logp, old, mb.advantages, mb.loss_mask, a.clip_eps, mb.normaliser,
                                   mb.ref_logp, a.kl_coef)
@@ -132,8 +136,11 @@ def grpo_loss_fn(recipe: R.Recipe):
 @torch.no_grad()
 def fill_logprobs(model: VLM, mbs: list[MicroBatch], temperature: float, attr: str) -> None:
     model.eval()
+    encodings = None
+    if model.cfg.encoders.dedup:  # every distinct medium of the step once (cached if the rollout did it)
+        encodings = model.encode_media([m for mb in mbs for row in mb.media for m in row])
     for mb in mbs:
-        logp, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature)
+        logp, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature, encodings)
         setattr(mb, attr, logp)
 
 
@@ -160,7 +167,13 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
 
     t_train = time.perf_counter()
     a, tr = recipe.algorithm, recipe.training
-    loss_fn = grpo_loss_fn(recipe)
+    from loomrl.encoders.cache import SharedEncodings
+
+    enc_before = model.encode_totals.copy()
+    # model.encoders.dedup: each mini-batch's distinct media are encoded once and shared by
+    # its micro-batches, one encoder backward per mini-batch; off: every copy, every micro-batch.
+    shared = SharedEncodings(model) if model.cfg.encoders.dedup else None
+    loss_fn = grpo_loss_fn(recipe, shared)
     mini_batches = split(trajs, len(trajs) // tr.mini_batches)
     layouts = []
     for mini in mini_batches:
@@ -178,13 +191,14 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     updates = 0
     for _ in range(a.epochs):
         for mbs in layouts:
-            stats = engine.train_mini_batch(mbs, loss_fn)
+            stats = engine.train_mini_batch(mbs, loss_fn, shared)
             updates += 1
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
     trainer_version = rollout.version  # the version these updates were applied to
     rollout.update_weights(None, rollout.version + 1)  # colocated: shared module, new version
     train_s = time.perf_counter() - t_train
+    enc = model.encode_totals.since(enc_before)  # the trainer's encoder work this step
     staleness = [trainer_version - t.version for t in trajs]
 
     tokens = max(1.0, totals["tokens"])
@@ -210,6 +224,8 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
         "staleness_max": max(staleness),
         "media_total": len(media) * ro.n,
         "media_unique": len(set(media)),
+        **enc.as_dict(),  # enc_media_total/unique, enc_calls, enc_bytes_*, enc_*_s, enc_cache_*
+        "enc_cache_entries": len(model.encoding_cache),
     }
     if "kl_sum" in totals:
         row["kl"] = totals["kl_sum"] / tokens

@@ -4,19 +4,36 @@ Prompts carry `<image>` / `<audio>` markers; `prompt_ids` expands each marker
 into as many placeholder tokens as the medium's encoding has, and `embed`
 splices the encodings into those positions (row-major, as transformers'
 Qwen2-VL does with masked_scatter), so gradients reach the encoders.
+
+`encode` runs the towers once per distinct medium (loomrl.encoders.cache):
+requests without a gradient through the towers (rollouts, old/reference
+log-probs, frozen towers) are served from and stored in a bounded LRU keyed by
+content hash, preprocessing, tower identity and weights version.
 """
 from __future__ import annotations
+
+from typing import Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from loomrl.encoders.audio import build_audio_tower, encode_audio, num_audio_tokens
-from loomrl.encoders.media import Medium
+from loomrl.encoders.cache import EncodeStats, EncodingCache, Encodings, encode_distinct, encode_every_copy
+from loomrl.encoders.media import Medium, settings_fingerprint
 from loomrl.encoders.vision import build_vision_tower, encode_images, num_image_tokens
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, KVCache
 from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER
 from loomrl.platform.recipe import ModelConfig
+
+# Encodings for `embed`: by Medium.key (deduplicated), or one per media placement, row-major (naive).
+MediaEncodings = Union[Encodings, list[torch.Tensor]]
+
+
+def weights_version(module: nn.Module) -> int:
+    """A number that grows whenever any weight of `module` is written in place (every
+    optimizer step, every load_state_dict): the sum of the tensors' version counters."""
+    return sum(t._version for t in module.parameters()) + sum(t._version for t in module.buffers())
 
 
 class VLM(nn.Module):
@@ -46,6 +63,21 @@ class VLM(nn.Module):
                 nn.init.normal_(m.weight, std=cfg.init_std)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
+        if cfg.encoders.frozen:
+            self.visual.requires_grad_(False)
+            self.audio_tower.requires_grad_(False)
+            self.train(self.training)  # frozen towers stay in eval mode (see train)
+        self.encoding_cache = EncodingCache(cfg.encoders.cache_size)
+        self.encode_totals = EncodeStats()  # all encoder work of this model, for per-step metrics
+        # Weights loaded with assign=True are new tensors with fresh version counters.
+        self.register_load_state_dict_post_hook(lambda module, keys: module.encoding_cache.clear())
+
+    def train(self, mode: bool = True) -> "VLM":
+        super().train(mode)
+        if self.cfg.encoders.frozen:  # a frozen tower is an inference module: deterministic, cacheable
+            self.visual.eval()
+            self.audio_tower.eval()
+        return self
 
     # ------------------------------------------------------------------ inputs
 
@@ -72,31 +104,81 @@ class VLM(nn.Module):
 
     # ------------------------------------------------------------------ encoders
 
-    def encode_media(self, media: list[Medium]) -> dict[str, torch.Tensor]:
-        """Encodings [tokens, hidden] by content hash; each distinct medium encoded once."""
-        unique: dict[str, Medium] = {}
-        for m in media:
-            unique.setdefault(m.hash, m)
-        out: dict[str, torch.Tensor] = {}
-        images = [m for m in unique.values() if m.kind == "image"]
+    def towers(self, media: list[Medium]) -> list[torch.Tensor]:
+        """Raw tower outputs, one per item of `media` (images in one vision call, clips in
+        one audio call): [tokens, hidden] for images, [tokens, audio d_model] for clips."""
+        if any(m.kind not in ("image", "audio") for m in media):
+            raise ValueError(f"unknown medium kinds {sorted({m.kind for m in media})}")
+        out: list[torch.Tensor | None] = [None] * len(media)
+        images = [i for i, m in enumerate(media) if m.kind == "image"]
         if images:
-            enc = encode_images(self.visual, torch.cat([m.features for m in images]),
-                                torch.stack([m.grid for m in images]))
-            for m, e in zip(images, enc.split([self.media_tokens(m) for m in images])):
-                out[m.hash] = e
-        clips = [m for m in unique.values() if m.kind == "audio"]
+            enc = encode_images(self.visual, torch.cat([media[i].features for i in images]),
+                                torch.stack([media[i].grid for i in images]))
+            for i, e in zip(images, enc.split([self.media_tokens(media[i]) for i in images])):
+                out[i] = e
+        clips = [i for i, m in enumerate(media) if m.kind == "audio"]
         if clips:
-            enc = self.audio_projector(encode_audio(self.audio_tower, torch.stack([m.features for m in clips])))
-            for m, e in zip(clips, enc):
-                out[m.hash] = e
+            enc = encode_audio(self.audio_tower, torch.stack([media[i].features for i in clips]))
+            for i, e in zip(clips, enc):
+                out[i] = e
         return out
 
+    def project(self, media: list[Medium], raw: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Tower outputs -> backbone width. Images: the vision merger already did it; clips:
+        Qwen2-Audio's projector (trainable even when the towers are frozen, so never cached)."""
+        out = list(raw)
+        clips = [i for i, m in enumerate(media) if m.kind == "audio"]
+        if clips:
+            for i, e in zip(clips, self.audio_projector(torch.stack([raw[i] for i in clips]))):
+                out[i] = e
+        return out
+
+    def tower_identity(self, kind: str) -> tuple:
+        """What decides the tower output for `kind` besides the weights: the tower's class,
+        config, dtype, device and train/eval mode."""
+        tower = self.visual if kind == "image" else self.audio_tower
+        p = next(tower.parameters())
+        return kind, type(tower).__name__, settings_fingerprint(tower.config.to_dict()), str(p.dtype), \
+            str(p.device), tower.training
+
+    def encode(self, media: list[Medium], dedup: bool = True) -> tuple[MediaEncodings, EncodeStats]:
+        """Encodings ready to splice ([tokens, hidden] each) and the work it took.
+
+        dedup: each distinct medium encoded once, returned by Medium.key; requests without a
+        gradient through the towers are served from and stored in the LRU. Otherwise the
+        naive path: every item of `media` encoded, one encoding per item, in order."""
+        if not dedup:
+            raw, stats = encode_every_copy(media, self.towers)
+            self.encode_totals.add(stats)
+            return self.project(media, raw), stats
+        towers = [self.visual, self.audio_tower]
+        grad = torch.is_grad_enabled() and any(p.requires_grad for t in towers for p in t.parameters())
+        identity = {kind: self.tower_identity(kind) for kind in {m.kind for m in media}}
+        version = tuple(weights_version(t) for t in towers)
+
+        def cache_key(m: Medium) -> tuple[tuple, tuple]:
+            return (m.hash, m.prep, identity[m.kind]), version
+
+        raw, stats = encode_distinct(media, self.towers, None if grad else self.encoding_cache, cache_key)
+        by_key = {m.key: m for m in media}
+        keys = list(raw)
+        projected = self.project([by_key[k] for k in keys], [raw[k] for k in keys])
+        self.encode_totals.add(stats)
+        return dict(zip(keys, projected)), stats
+
+    def encode_media(self, media: list[Medium]) -> Encodings:
+        """Encodings [tokens, hidden] by Medium.key; each distinct medium encoded once."""
+        return self.encode(media)[0]
+
     def embed(self, input_ids: torch.Tensor, row_media: list[list[Medium]],
-              encodings: dict[str, torch.Tensor]) -> torch.Tensor:
+              encodings: MediaEncodings) -> torch.Tensor:
         """Token embeddings with media encodings spliced into the placeholder positions."""
         is_media = (input_ids == self.image_token_id) | (input_ids == self.audio_token_id)
         embeds = self.language_model.embed(input_ids)
-        flat = [encodings[m.hash] for row in row_media for m in row]
+        if isinstance(encodings, list):
+            flat = encodings
+        else:
+            flat = [encodings[m.key] for row in row_media for m in row]
         if not flat:
             return embeds
         flat = torch.cat(flat).to(embeds.dtype)
@@ -116,11 +198,12 @@ class VLM(nn.Module):
 
     def sequence_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           row_media: list[list[Medium]], temperature: float = 1.0,
-                          encodings: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          encodings: MediaEncodings | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs of input_ids[:, 1:] under logits / temperature, and the
-        entropy of that distribution; both [B, T-1]."""
+        entropy of that distribution; both [B, T-1]. Without `encodings` the media of
+        these rows are encoded here (deduplicated unless model.encoders.dedup is off)."""
         if encodings is None:
-            encodings = self.encode_media([m for row in row_media for m in row])
+            encodings, _ = self.encode([m for row in row_media for m in row], self.cfg.encoders.dedup)
         logits, _ = self.forward_embeds(self.embed(input_ids, row_media, encodings), attention_mask)
         logp_all = self.token_logprobs(logits[:, :-1], temperature)
         targets = input_ids[:, 1:]
@@ -132,8 +215,8 @@ class VLM(nn.Module):
         return logp, entropy
 
     def token_logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
-        """log softmax(logits / temperature) in fp32 with the banned tokens removed."""
-        logits = logits.float() / temperature
+        """log softmax(logits / temperature) in fp32 (fp64 stays fp64) with the banned tokens removed."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
         logits = logits.index_fill(-1, self.banned_token_ids, float("-inf"))
         return F.log_softmax(logits, dim=-1)
 

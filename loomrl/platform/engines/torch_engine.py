@@ -2,7 +2,7 @@
 micro-batches, global-norm clipping."""
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
@@ -10,6 +10,17 @@ from torch import nn
 from loomrl.platform.recipe import TrainingConfig
 
 LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, float]]]
+
+
+class MiniBatchHook(Protocol):
+    """Work around a mini-batch's micro-batches, e.g. loomrl.encoders.cache.SharedEncodings:
+    encode shared media once before them, run the encoder backward once after them."""
+
+    def begin(self, micro_batches: list) -> None:
+        """Before the first micro-batch's forward (model in train mode, grads zeroed)."""
+
+    def finish(self) -> None:
+        """After the last micro-batch's backward, before clipping and the optimizer step."""
 
 
 class TorchTrainEngine:
@@ -25,11 +36,14 @@ class TorchTrainEngine:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
 
-    def train_mini_batch(self, micro_batches: list, loss_fn: LossFn) -> dict[str, float]:
+    def train_mini_batch(self, micro_batches: list, loss_fn: LossFn,
+                         hook: Optional[MiniBatchHook] = None) -> dict[str, float]:
         """Forward/backward every micro-batch (loss_fn returns a loss already scaled
         to its share of the mini-batch), then one optimizer step. Returns summed stats."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        if hook is not None:
+            hook.begin(micro_batches)
         totals: dict[str, float] = {}
         for mb in micro_batches:
             loss, stats = loss_fn(self.model, mb)
@@ -37,6 +51,8 @@ class TorchTrainEngine:
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
+        if hook is not None:
+            hook.finish()  # the gradients it adds must be in before clipping
         params = [p for p in self.params if p.grad is not None]
         if self.cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
