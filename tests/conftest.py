@@ -28,8 +28,9 @@ def model(tokenizer):
 
 @pytest.fixture()
 def samples(demo_shards, model, tokenizer):
-    from loomrl.datasets.shards import read_shards
     from loomrl.datasets.source import PromptSource
+    from loomrl.datasets.stream import ShardStream
 
     _, files = demo_shards
-    return PromptSource(list(read_shards(files)), model, tokenizer, ModelConfig(), seed=0).samples
+    # shard order (no shuffle): image, audio, both, image, ...
+    return PromptSource(ShardStream(files, shuffle_buffer=0), model, tokenizer, ModelConfig()).next(24)

@@ -42,7 +42,7 @@ def test_short_run_then_report(tmp_path, capsys):
     from loomrl.platform.recipe import ModelConfig
 
     _, state = load_checkpoint(out / "checkpoints" / "step-000006", build_policy(ModelConfig(), load_tokenizer("demo"), 1))
-    assert state["step"] == 6 and state["data"]["position"] > 0
+    assert state["step"] == 6 and state["data"]["served"] == 3 * 32 + 6 * 4 and state["data"]["index"] > 0
     summary = capsys.readouterr().out
     assert "RL steps        6" in summary
 

@@ -100,3 +100,33 @@ def test_a_position_only_fits_the_same_shards_and_settings(shards):
             other.load_state(state)
     with pytest.raises(FileNotFoundError, match="no shards match"):
         ShardStream(pattern + ".nothing")
+
+
+def test_prompt_source_skips_and_counts_bad_samples_and_resumes(tmp_path, tokenizer, model, capsys):
+    """The runner's source: a sample whose media do not decode is skipped and counted;
+    a source resumed from its state serves exactly the samples an uninterrupted one would."""
+    from loomrl.datasets.demo import make_sample
+    from loomrl.datasets.shards import write_shards
+    from loomrl.datasets.source import PromptSource
+    from loomrl.datasets.stream import ShardStream
+    from loomrl.platform.recipe import ModelConfig
+    import random as _random
+
+    rng = _random.Random(0)
+    samples = [make_sample(i, rng) for i in range(12)]
+    kind, member, _ = samples[3]["media"][0]
+    samples[3]["media"][0] = (kind, member, b"these bytes are no picture")
+    files = write_shards(samples, str(tmp_path / "s-%06d.tar"), maxcount=5)
+
+    def source():
+        return PromptSource(ShardStream(files, shuffle_buffer=4, seed=3), model, tokenizer, ModelConfig())
+
+    full = source()
+    ids = [s.id for s in full.next(11) + full.next(11)]
+    assert len(full.skipped) == 2 and "demo-000003" in full.skipped[0][0]  # once per epoch
+    assert "skipping" in capsys.readouterr().err and ids.count("demo-000003") == 0
+    first = source()
+    head = [s.id for s in first.next(7)]
+    resumed = source()
+    resumed.load_state(first.state())
+    assert head + [s.id for s in resumed.next(15)] == ids

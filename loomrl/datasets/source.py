@@ -1,12 +1,18 @@
-"""The prompt source of a run: samples read from shards, media decoded and
-preprocessed once, served in a seeded shuffled order, epoch after epoch, with
-a position that a checkpoint records."""
+"""The prompt source of a run: samples streamed from shards (`ShardStream`: seeded
+shuffle buffer, rank split, resumable position), media decoded and preprocessed
+once per content hash (a bounded LRU), prompts tokenized for the policy.
+
+A sample whose media cannot be decoded, or whose prompt markers do not match its
+media, is skipped, reported on stderr and counted (`skipped`), never silently lost.
+"""
 from __future__ import annotations
 
-import random
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterator, Optional
 
+from loomrl.datasets.stream import ShardStream
 from loomrl.encoders.media import Medium, load_medium
 from loomrl.platform.recipe import ModelConfig
 
@@ -23,45 +29,57 @@ class PromptSample:
 
 
 class PromptSource:
-    def __init__(self, records: list[dict], model, tokenizer, cfg: ModelConfig, seed: int):
-        self.samples: list[PromptSample] = []
+    def __init__(self, stream: ShardStream, model, tokenizer, cfg: ModelConfig, media_cache: int = 4096):
+        self.stream = stream
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.skipped: list[tuple[str, str]] = []
-        for rec in records:
-            try:
-                media = [load_medium(kind, data, cfg) for kind, _, data in rec["media"]]
-                ids = model.prompt_ids(tokenizer, rec["prompt"], media)
-            except Exception as e:  # a bad sample is reported and counted, never silently lost
-                self.skipped.append((rec.get("source", rec.get("id", "?")), f"{type(e).__name__}: {e}"))
-                print(f"warning: skipping {self.skipped[-1][0]}: {self.skipped[-1][1]}", file=sys.stderr)
-                continue
-            record = {k: rec[k] for k in ("id", "prompt", "answer", "meta") if k in rec}
-            self.samples.append(PromptSample(record, ids, media))
-        if not self.samples:
-            raise ValueError("no usable samples in the shards")
-        self.seed = seed
-        self.epoch = 0
-        self.position = 0
-        self._order = self._shuffled(0)
+        self.served = 0
+        self._media: OrderedDict[str, Medium] = OrderedDict()
+        self._media_cap = media_cache
+        self._it: Optional[Iterator[dict]] = None
+        self._state = stream.state()
 
-    def _shuffled(self, epoch: int) -> list[int]:
-        order = list(range(len(self.samples)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
+    def _medium(self, kind: str, digest: str, data: bytes) -> Medium:
+        m = self._media.get(digest)
+        if m is None:
+            m = self._media[digest] = load_medium(kind, data, self.cfg)
+            if len(self._media) > self._media_cap:
+                self._media.popitem(last=False)
+        self._media.move_to_end(digest)
+        return m
+
+    def _prepare(self, rec: dict) -> Optional[PromptSample]:
+        try:
+            media = [self._medium(kind, digest, data) for kind, digest, data in rec["media"]]
+            ids = self.model.prompt_ids(self.tokenizer, rec["prompt"], media)
+        except Exception as e:  # a bad sample is reported and counted, never silently lost
+            where, why = rec.get("source", rec.get("id", "?")), f"{type(e).__name__}: {e}"
+            self.skipped.append((where, why))
+            print(f"warning: skipping {where}: {why}", file=sys.stderr)
+            return None
+        record = {k: rec[k] for k in ("id", "prompt", "answer", "meta") if k in rec}
+        return PromptSample(record, ids, media)
 
     def next(self, k: int) -> list[PromptSample]:
-        out = []
+        """The next k usable samples (epochs roll over)."""
+        if self._it is None:
+            self._it = iter(self.stream)
+        out: list[PromptSample] = []
         while len(out) < k:
-            if self.position == len(self._order):
-                self.epoch += 1
-                self.position = 0
-                self._order = self._shuffled(self.epoch)
-            out.append(self.samples[self._order[self.position]])
-            self.position += 1
+            rec = next(self._it)
+            self._state = self.stream.state_after(rec)
+            sample = self._prepare(rec)
+            if sample is not None:
+                out.append(sample)
+        self.served += len(out)
         return out
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        """Position after the last sample served (JSON, for checkpoints)."""
+        return dict(self._state, served=self.served, skipped=len(self.skipped))
 
     def load_state(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-        self._order = self._shuffled(self.epoch)
+        self.stream.load_state(state)
+        self._state = self.stream.state()
+        self.served = state.get("served", 0)
+        self._it = None

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from loomrl.datasets.source import PromptSample, PromptSource
+from loomrl.datasets.stream import ShardStream
 from loomrl.platform import recipe as R
 from loomrl.platform.algorithms.grpo import group_advantages, policy_loss
 from loomrl.platform.backbone.tokenizer import load_tokenizer
@@ -40,9 +41,8 @@ class RunResult:
     summary: str
 
 
-def load_records(recipe: R.Recipe) -> list[dict]:
-    from loomrl.datasets.shards import read_shards
-
+def shard_files(recipe: R.Recipe) -> list[str]:
+    """The run's shards; the demo shards are written first when missing and asked for."""
     files = R.expand_pattern(recipe.data.shards)
     if not files:
         demo = recipe.data.demo
@@ -57,7 +57,7 @@ def load_records(recipe: R.Recipe) -> list[dict]:
         if not R.expand_pattern(recipe.data.shards):
             raise R.RecipeError(f"data.shards: demo shards were written to {directory}/ "
                                 f"but {recipe.data.shards!r} does not match them")
-    return list(read_shards(files))
+    return files
 
 
 def configure_torch(cfg: R.TrainingConfig) -> None:
@@ -151,7 +151,17 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     samples = source.next(recipe.training.prompts_per_step)
     ro = recipe.rollout
     params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
-    result = rollout.generate(to_prompts(samples), params, generator)
+    prompts = to_prompts(samples)
+    result = rollout.generate(prompts, params, generator)
+    compare = None
+    if rollout.drafter is not None and ro.drafter.compare_every and step % ro.drafter.compare_every == 0:
+        # Same batch, same weights, no drafter: its tokens are discarded, only timed.
+        plain = TorchRolloutEngine(model).generate(prompts, params, torch.Generator().manual_seed(step))
+        compare = {"plain_tokens_per_s": plain.tokens / plain.seconds,
+                   "drafting_speedup": (result.tokens / result.seconds) / (plain.tokens / plain.seconds),
+                   "plain_forwards": plain.forwards, "drafted_forwards": result.forwards}
+    for r in result.rollouts:  # NgramRL: finished rollouts feed their prompt's draft history
+        rollout.observe(samples[r.prompt_index].id, r.completion_ids)
 
     trajs: list[Trajectory] = []
     for r in result.rollouts:
@@ -215,7 +225,7 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
         "response_len": result.tokens / len(trajs),
         "stop_rate": sum(r.finish_reason == "stop" for r in result.rollouts) / len(trajs),
         "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
-        "tokens_per_forward": result.tokens / len(trajs) / max(1, result.forwards),
+        "tokens_per_forward": result.tokens_per_forward,
         "rollout_s": result.seconds,
         "train_s": train_s,
         "step_s": time.perf_counter() - t_step,
@@ -229,6 +239,17 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     }
     if "kl_sum" in totals:
         row["kl"] = totals["kl_sum"] / tokens
+    if rollout.drafter is not None:
+        ds = rollout.last_stats
+        row.update({
+            "draft_acceptance": sum(ds.accepted_by_pos) / max(1, sum(ds.drafted_by_pos)),
+            "draft_acceptance_by_pos": [round(a, 4) for a in ds.acceptance_by_position()],
+            "drafter_lookup_us": 1e6 * ds.lookup_s / max(1, ds.lookups),
+            "prefetch_coverage": ds.coverage,
+            "drafter_history_tokens": rollout.drafter.history_tokens(),
+        })
+        if compare:
+            row.update(compare)
     return row
 
 
@@ -248,15 +269,16 @@ def goal_check(rows: list[dict], goal: Optional[R.GoalConfig]) -> tuple[Optional
 def run(recipe: R.Recipe, out: Path) -> RunResult:
     t0 = time.perf_counter()
     configure_torch(recipe.training)
-    records = load_records(recipe)
+    files = shard_files(recipe)
     tokenizer = load_tokenizer(recipe.model.tokenizer)
     model = build_policy(recipe.model, tokenizer, recipe.training.seed)
-    source = PromptSource(records, model, tokenizer, recipe.model, recipe.data.seed)
+    stream = ShardStream(files, shuffle_buffer=recipe.data.shuffle_buffer, seed=recipe.data.seed)
+    source = PromptSource(stream, model, tokenizer, recipe.model)
     reward_fn = R.resolve_callable(recipe.algorithm.reward)
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipe.yaml").write_text(R.dump(recipe))
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"[run] {recipe.name}: {len(source.samples)} prompts ({len(source.skipped)} skipped), "
+    print(f"[run] {recipe.name}: {len(files)} shard(s), "
           f"model {n_params / 1e6:.2f}M params, {recipe.training.warmup.steps} warm-up + "
           f"{recipe.training.steps} RL steps -> {out}", flush=True)
     progress = recipe.logging.progress and sys.stderr.isatty()
@@ -269,7 +291,7 @@ def run(recipe: R.Recipe, out: Path) -> RunResult:
     ref_model = None
     if recipe.algorithm.kl_coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    rollout = TorchRolloutEngine(model)
+    rollout = TorchRolloutEngine(model, recipe.rollout.drafter)
     engine = TorchTrainEngine(model, recipe.training)
     generator = torch.Generator().manual_seed(recipe.training.seed)
     log = MetricsLog(out, "metrics.jsonl", recipe.logging.tensorboard)
