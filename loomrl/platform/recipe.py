@@ -466,12 +466,12 @@ def validate(r: Recipe) -> None:
     if batch % r.training.mini_batches:
         raise RecipeError(f"training.mini_batches: {batch} trajectories per step do not split "
                           f"into {r.training.mini_batches} mini-batches")
+    resolve_callable(r.algorithm.reward)
     if r.data.demo is None and not expand_pattern(r.data.shards):
         raise RecipeError(f"data.shards: no files match {r.data.shards!r} (and data.demo is null, "
                           f"so none will be generated)")
     if r.model.tokenizer != "demo" and not Path(r.model.tokenizer).is_dir():
         raise RecipeError(f"model.tokenizer: {r.model.tokenizer!r} is not 'demo' nor a tokenizer folder")
-    resolve_callable(r.algorithm.reward)
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:

@@ -54,9 +54,21 @@ class Draft:
     backoff: list[dict[int, float]] = field(default_factory=list)
 
 
+POS_BITS = 24  # an occurrence is one int, seq_id << POS_BITS | pos: no per-entry Python
+               # objects for the garbage collector to walk (histories hold ~10^6 entries)
+
+
+def _occ(sid: int, pos: int) -> int:
+    return sid << POS_BITS | pos
+
+
+def _split(o: int) -> tuple[int, int]:
+    return o >> POS_BITS, o & ((1 << POS_BITS) - 1)
+
+
 class _History:
-    """One prompt's recent completions and a bigram -> [(seq, pos)] index (pos: index of
-    the token after the bigram)."""
+    """One prompt's recent completions and a bigram -> [occurrence] index (an occurrence
+    encodes the sequence and the index of the token after the bigram)."""
 
     def __init__(self):
         self.seqs: OrderedDict[int, list[int]] = OrderedDict()
@@ -71,9 +83,9 @@ class _History:
         self.seqs[sid] = seq
         self.tokens += len(seq)
         for i in range(len(seq)):
-            self.unigram[seq[i]].append((sid, i + 1))
+            self.unigram[seq[i]].append(_occ(sid, i + 1))
             if i >= 1:
-                self.index[(seq[i - 1], seq[i])].append((sid, i + 1))
+                self.index[(seq[i - 1], seq[i])].append(_occ(sid, i + 1))
 
     def evict_oldest(self) -> None:
         sid, seq = self.seqs.popitem(last=False)
@@ -88,7 +100,7 @@ def _drop(index: dict, key, sid: int) -> None:
     occ = index.get(key)
     if occ is None:
         return
-    occ[:] = [o for o in occ if o[0] != sid]
+    occ[:] = [o for o in occ if o >> POS_BITS != sid]
     if not occ:
         del index[key]
 
@@ -185,7 +197,7 @@ class NgramDrafter:
             return counts
         key = (ctx[-2], ctx[-1])
         if hist is not None:
-            for sid, pos in (hist.index.get(key) or ())[-MAX_OCCURRENCES:]:
+            for sid, pos in map(_split, (hist.index.get(key) or ())[-MAX_OCCURRENCES:]):
                 seq = hist.seqs[sid]
                 if pos < len(seq):
                     counts[seq[pos]] += 1
@@ -202,7 +214,7 @@ class NgramDrafter:
         if hist is not None:
             newest = hist.next_id - 1
             cap = self.cfg.max_history
-            for sid, pos in _lookup(hist.index, hist.unigram, ctx):
+            for sid, pos in map(_split, _lookup(hist.index, hist.unigram, ctx)):
                 seq = hist.seqs[sid]
                 if pos < len(seq):
                     w = W_HISTORY * (1 + RECENCY * max(0, cap - (newest - sid)))
@@ -213,7 +225,7 @@ class NgramDrafter:
         g = self.global_history
         if g.seqs and (not found or found_best(found) < GLOBAL_BELOW):
             cross = [(_match_len(ctx, g.seqs[sid], pos), g.seqs[sid], pos, W_GLOBAL)
-                     for sid, pos in _lookup(g.index, g.unigram, ctx) if pos < len(g.seqs[sid])]
+                     for sid, pos in map(_split, _lookup(g.index, g.unigram, ctx)) if pos < len(g.seqs[sid])]
             out += _longest(cross)
         return out
 
