@@ -19,7 +19,7 @@ from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.engines.torch_engine import TorchTrainEngine
 from loomrl.platform.recipe import EncoderConfig, ModelConfig, Recipe, TrainingConfig, VisionConfig
 from loomrl.platform.runner import grpo_loss_fn
-from loomrl.platform.trajectory.batch import Trajectory, collate, split
+from loomrl.platform.trajectory.batch import Trajectory, micro_batches
 
 ROOT = Path(__file__).resolve().parent.parent
 # Images of three sizes: smart_resize keeps 56x56 (4 tokens), 56x112 (8) and 112x112 (16).
@@ -70,11 +70,7 @@ def mini_batch(model, tokenizer, n: int, micro_batch_size: int, seed: int = 0):
             completion = [rng.choice(words) for _ in range(rng.randint(3, 8))]
             trajs.append(Trajectory(f"p{g}", g, ids, completion, media, [0.0] * len(completion), 0.0, 0,
                                     advantage=rng.gauss(0.0, 1.0)))
-    mbs = [collate(c, model.pad_token_id) for c in split(trajs, micro_batch_size)]
-    total = float(sum(mb.loss_mask.sum() for mb in mbs))
-    for mb in mbs:
-        mb.normaliser = total
-    return mbs
+    return micro_batches(trajs, model.pad_token_id, micro_batch_size)
 
 
 def grads_of_one_step(model, mbs, dedup: bool) -> dict[str, torch.Tensor]:

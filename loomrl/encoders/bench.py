@@ -35,7 +35,7 @@ from loomrl.encoders.media import Medium, load_medium
 def build_mini_batch(model, tokenizer, groups: int, n: int, micro_batch_size: int, seed: int) -> list:
     """Micro-batches of one GRPO mini-batch of demo prompts (see the module docstring)."""
     from loomrl.datasets.demo import make_sample
-    from loomrl.platform.trajectory.batch import Trajectory, collate, split
+    from loomrl.platform.trajectory.batch import Trajectory, micro_batches
 
     rng = random.Random(seed)
     trajs = []
@@ -47,11 +47,7 @@ def build_mini_batch(model, tokenizer, groups: int, n: int, micro_batch_size: in
         for _ in range(n):
             trajs.append(Trajectory(rec["id"], g, ids, answer, media, [0.0] * len(answer), 0.0, 0,
                                     advantage=rng.gauss(0.0, 1.0)))
-    mbs = [collate(c, model.pad_token_id) for c in split(trajs, micro_batch_size)]
-    total = float(sum(mb.loss_mask.sum() for mb in mbs))
-    for mb in mbs:
-        mb.normaliser = total
-    return mbs
+    return micro_batches(trajs, model.pad_token_id, micro_batch_size)
 
 
 def count_tower_inputs(model) -> dict[str, int]:

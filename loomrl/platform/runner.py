@@ -31,7 +31,7 @@ from loomrl.platform.engines.torch_engine import TorchTrainEngine
 from loomrl.platform.metrics import MetricsLog
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
-from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, collate, split
+from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, micro_batches, split
 
 
 @dataclass
@@ -100,10 +100,7 @@ def run_warmup(recipe: R.Recipe, model: VLM, tokenizer, source: PromptSource, lo
             text = s.record["answer"] if w.target == "answer" else format_only_answer(s.record["meta"], rng)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [model.eos_token_id]
             trajs.append(Trajectory(s.id, 0, s.ids, ids, s.media, [0.0] * len(ids), 0.0, 0))
-        mbs = [collate(c, model.pad_token_id) for c in split(trajs, recipe.training.micro_batch_size)]
-        total = float(sum(mb.loss_mask.sum() for mb in mbs))
-        for mb in mbs:
-            mb.normaliser = total
+        mbs = micro_batches(trajs, model.pad_token_id, recipe.training.micro_batch_size)
         stats = engine.train_mini_batch(mbs, warmup_loss)
         log.log({"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"]})
         bar.set_postfix(loss=f"{stats['loss']:.3f}")
@@ -188,11 +185,7 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     mini_batches = split(trajs, len(trajs) // tr.mini_batches)
     layouts = []
     for mini in mini_batches:
-        mbs = [collate(c, model.pad_token_id) for c in split(mini, tr.micro_batch_size)]
-        total = float(sum(mb.loss_mask.sum() for mb in mbs))
-        for mb in mbs:
-            mb.normaliser = total
-        layouts.append(mbs)
+        layouts.append(micro_batches(mini, model.pad_token_id, tr.micro_batch_size))
     all_mbs = [mb for mbs in layouts for mb in mbs]
     if a.epochs * tr.mini_batches > 1:  # the policy moves before some tokens are trained on
         fill_logprobs(model, all_mbs, ro.temperature, "old_logp")

@@ -57,3 +57,13 @@ def collate(trajs: list[Trajectory], pad_id: int) -> MicroBatch:
 
 def split(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def micro_batches(trajs: list[Trajectory], pad_id: int, micro_batch_size: int) -> list[MicroBatch]:
+    """One mini-batch as its micro-batches, each loss normalised by the mini-batch's
+    completion tokens (so accumulated micro-batch losses add up to the mini-batch loss)."""
+    mbs = [collate(c, pad_id) for c in split(trajs, micro_batch_size)]
+    total = float(sum(mb.loss_mask.sum() for mb in mbs))
+    for mb in mbs:
+        mb.normaliser = total
+    return mbs
