@@ -28,6 +28,9 @@ def test_checkpoint_round_trip_keep_last_and_corruption(tmp_path, model, tokeniz
     (paths[-1] / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="model.safetensors: missing or corrupt"):
         load_checkpoint(paths[-1], other)
+    (paths[1] / "manifest.json").write_text("{}")  # a manifest that vouches for nothing
+    with pytest.raises(ValueError, match="does not list model.safetensors"):
+        load_checkpoint(paths[1], other)
     (paths[1] / "manifest.json").unlink()
     with pytest.raises(ValueError, match="incomplete"):
         load_checkpoint(paths[1], other)

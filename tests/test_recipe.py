@@ -32,6 +32,8 @@ def test_demo_recipe_loads_with_overrides():
     ("algorithm: {reward: 'os.path:nope'}", "algorithm.reward: cannot load 'os.path:nope'"),
     ("data: {shards: /nonexistent/x-*.tar, demo: null}", "data.shards: no files match '/nonexistent/x-*.tar'"),
     ("rollout: {n: 1}", "rollout.n: GRPO needs at least 2"),
+    ("rollout: {drafter: {k: 0}}", "rollout.drafter.k: must be >= 1, got 0"),
+    ("rollout: {drafter: {prefetch_budget: -1}}", "rollout.drafter.prefetch_budget: must be >= 0"),
     ("- a\n- b", "the top level must be a mapping"),
 ])
 def test_bad_recipes_name_the_key(tmp_path, text, expected):

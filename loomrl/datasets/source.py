@@ -34,6 +34,7 @@ class PromptSource:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.skipped: list[tuple[str, str]] = []
         self.served = 0
+        self.skipped_before = 0  # skipped before a resume (the list holds this process's)
         self._media: OrderedDict[str, Medium] = OrderedDict()
         self._media_cap = media_cache
         self._it: Optional[Iterator[dict]] = None
@@ -43,9 +44,9 @@ class PromptSource:
         m = self._media.get(digest)
         if m is None:
             m = self._media[digest] = load_medium(kind, data, self.cfg)
-            if len(self._media) > self._media_cap:
-                self._media.popitem(last=False)
         self._media.move_to_end(digest)
+        while len(self._media) > self._media_cap:
+            self._media.popitem(last=False)
         return m
 
     def _prepare(self, rec: dict) -> Optional[PromptSample]:
@@ -76,10 +77,11 @@ class PromptSource:
 
     def state(self) -> dict:
         """Position after the last sample served (JSON, for checkpoints)."""
-        return dict(self._state, served=self.served, skipped=len(self.skipped))
+        return dict(self._state, served=self.served, skipped=self.skipped_before + len(self.skipped))
 
     def load_state(self, state: dict) -> None:
         self.stream.load_state(state)
         self._state = self.stream.state()
         self.served = state.get("served", 0)
+        self.skipped_before = state.get("skipped", 0) - len(self.skipped)
         self._it = None

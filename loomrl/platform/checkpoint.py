@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 MANIFEST = "manifest.json"
+REQUIRED = ("model.safetensors", "optimizer.pt", "state.json")
 
 
 def _sha256(path: Path) -> str:
@@ -65,6 +66,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     if not manifest_path.is_file():
         raise ValueError(f"{path}: no {MANIFEST}; the checkpoint is incomplete")
     manifest = json.loads(manifest_path.read_text())
+    for name in REQUIRED:
+        if name not in manifest:
+            raise ValueError(f"{manifest_path}: does not list {name}; the checkpoint is incomplete")
     for name, digest in manifest.items():
         if not (path / name).is_file() or _sha256(path / name) != digest:
             raise ValueError(f"{path / name}: missing or corrupt (sha256 differs from the manifest)")

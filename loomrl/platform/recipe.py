@@ -157,7 +157,7 @@ class DrafterConfig:
 
     enabled: bool = True
     """Draft tokens from earlier completions of the same prompt; the target verifies
-    them exactly (same tokens when greedy, same distribution when sampling)."""
+    them exactly: the committed tokens are distributed as without drafting."""
     k: int = 8
     """Most tokens drafted per target forward."""
     max_history: int = 16
@@ -460,6 +460,13 @@ def validate(r: Recipe) -> None:
         raise RecipeError(f"rollout.top_p: must be in (0, 1], got {r.rollout.top_p}")
     if r.model.num_heads % r.model.num_kv_heads or r.model.hidden_size % r.model.num_heads:
         raise RecipeError("model.num_heads: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+    d = r.rollout.drafter
+    for key, v, low in (("k", d.k, 1), ("max_history", d.max_history, 1),
+                        ("max_history_tokens", d.max_history_tokens, 1), ("max_prompts", d.max_prompts, 1),
+                        ("global_history", d.global_history, 0), ("prefetch_budget", d.prefetch_budget, 0),
+                        ("compare_every", d.compare_every, 0)):
+        if v < low:
+            raise RecipeError(f"rollout.drafter.{key}: must be >= {low}, got {v}")
     if r.rollout.n < 2:
         raise RecipeError("rollout.n: GRPO needs at least 2 samples per prompt")
     batch = r.training.prompts_per_step * r.rollout.n

@@ -150,11 +150,21 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     ro = recipe.rollout
     params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
     prompts = to_prompts(samples)
+    compare_now = (rollout.drafter is not None and ro.drafter.compare_every
+                   and step % ro.drafter.compare_every == 0)
+    plain_first = compare_now and (step // ro.drafter.compare_every) % 2 == 0
+
+    def plain_run():
+        # Same prompts, same weights, no drafter: its tokens are discarded, only timed. The
+        # second call of a step finds the media encodings cached, so the order alternates.
+        return TorchRolloutEngine(model).generate(prompts, params, torch.Generator().manual_seed(step))
+
+    plain = plain_run() if plain_first else None
     result = rollout.generate(prompts, params, generator)
+    if compare_now and plain is None:
+        plain = plain_run()
     compare = None
-    if rollout.drafter is not None and ro.drafter.compare_every and step % ro.drafter.compare_every == 0:
-        # Same batch, same weights, no drafter: its tokens are discarded, only timed.
-        plain = TorchRolloutEngine(model).generate(prompts, params, torch.Generator().manual_seed(step))
+    if plain is not None:
         compare = {"plain_tokens_per_s": plain.tokens / plain.seconds,
                    "drafting_speedup": (result.tokens / result.seconds) / (plain.tokens / plain.seconds),
                    "plain_forwards": plain.forwards, "drafted_forwards": result.forwards}

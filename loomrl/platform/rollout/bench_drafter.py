@@ -115,6 +115,7 @@ def ngramrl_factory(cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: 
         def start(row):
             st["row"] = row
             st["state"] = drafter.start(row["prompt_id"], row["prompt_ids"])
+            st["end"] = len(row["prompt_ids"]) + len(row["completion_ids"])
             st["pending"] = None
 
         def propose(n):
@@ -124,13 +125,15 @@ def ngramrl_factory(cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: 
 
         def commit(tokens):
             pending = st["pending"]
-            if pending is not None and tokens:
+            done = len(st["state"].tokens) + len(tokens) >= st["end"]
+            if pending is not None and tokens and not done:
+                # committed = accepted + bonus; only outcomes that need a next draft count,
+                # as in the engine (the last forward of a completion needs none)
                 d, plans = pending
-                j = len(tokens) - 1  # committed = accepted + bonus (the bonus may be cut at the end)
-                j = min(j, len(d.tokens))
-                outcome = (j, tokens[j]) if j < len(tokens) else None
+                j = len(tokens) - 1
+                outcome = (j, tokens[j])
                 for b, p in prefetchers.items():
-                    if outcome is not None and st["row"]["round"] >= 1:
+                    if st["row"]["round"] >= 1:
                         p.observe(len(d.tokens), j, outcome in plans[b])
             st["pending"] = None
             st["state"].extend(tokens)

@@ -90,19 +90,25 @@ class _History:
     def evict_oldest(self) -> None:
         sid, seq = self.seqs.popitem(last=False)
         self.tokens -= len(seq)
-        for i in range(len(seq)):
-            _drop(self.unigram, seq[i], sid)
-            if i >= 1:
-                _drop(self.index, (seq[i - 1], seq[i]), sid)
+        keys = {seq[i] for i in range(len(seq))}
+        bigrams = {(seq[i - 1], seq[i]) for i in range(1, len(seq))}
+        for table, ks in ((self.unigram, keys), (self.index, bigrams)):
+            for key in ks:
+                _drop_front(table, key, sid)
 
 
-def _drop(index: dict, key, sid: int) -> None:
-    occ = index.get(key)
+def _drop_front(table: dict, key, sid: int) -> None:
+    """Remove `sid`'s occurrences of `key`. Sequences are added with increasing ids and
+    evicted oldest first, so they sit at the front of the list: cut the prefix."""
+    occ = table.get(key)
     if occ is None:
         return
-    occ[:] = [o for o in occ if o >> POS_BITS != sid]
+    n = 0
+    while n < len(occ) and occ[n] >> POS_BITS == sid:
+        n += 1
+    del occ[:n]
     if not occ:
-        del index[key]
+        del table[key]
 
 
 class DraftState:
@@ -154,7 +160,7 @@ class NgramDrafter:
         self.histories.move_to_end(key)
         h.add(list(completion))
         while len(h.seqs) > 1 and (len(h.seqs) > self.cfg.max_history or h.tokens > self.cfg.max_history_tokens):
-            h.evict_oldest()
+            h.evict_oldest()  # the newest is kept unless it alone breaks the token cap (below)
         if h.tokens > self.cfg.max_history_tokens:  # a single completion above the cap
             h.evict_oldest()
             del self.histories[key]

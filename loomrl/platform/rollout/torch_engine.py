@@ -229,7 +229,8 @@ class TorchRolloutEngine:
                     stats.outcomes += 1
                     if ready is not None:
                         stats.prefetched += 1
-                        next_drafts[i] = Draft(ready.tokens[:remaining], ready.alternatives[:remaining + 1])
+                        next_drafts[i] = Draft(ready.tokens[:remaining], ready.alternatives[:remaining + 1],
+                                               ready.backoff[:remaining + 1])
                     else:
                         next_drafts[i] = self._propose(states[i], remaining, stats, memo)
             drafts = next_drafts
