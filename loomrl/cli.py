@@ -20,18 +20,63 @@ def cmd_run(args) -> int:
         print("# recipe OK", file=sys.stderr)
         return 0
     out = Path(args.out) if args.out else Path("runs") / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if (out / "metrics.jsonl").exists():
-        print(f"error: {out} already holds a run (metrics.jsonl); choose another --out", file=sys.stderr)
+    if args.resume_from and not args.out:
+        out = Path(args.resume_from).resolve().parent.parent  # RUN/checkpoints/step-N
+    resume_from = None
+    if args.resume or args.resume_from:
+        from loomrl.platform.checkpoint import latest_checkpoint
+
+        if args.resume and not args.out:
+            print("error: --resume needs --out DIR (the run folder to continue)", file=sys.stderr)
+            return 2
+        saved = out / "recipe.yaml"
+        if saved.exists() and saved.read_text() != R.dump(recipe):
+            print(f"error: {saved} differs from this recipe and overrides; resume with the same recipe "
+                  f"(differences: {', '.join(recipe_diff(saved.read_text(), R.dump(recipe)))})", file=sys.stderr)
+            return 2
+        resume_from = Path(args.resume_from) if args.resume_from else latest_checkpoint(out / "checkpoints")
+        if resume_from is None:
+            print(f"[run] no checkpoint in {out}/checkpoints: starting from the beginning", file=sys.stderr)
+    elif (out / "metrics.jsonl").exists():
+        print(f"error: {out} already holds a run (metrics.jsonl); choose another --out, or --resume it",
+              file=sys.stderr)
         return 2
-    from loomrl.platform.runner import run
+    from loomrl.platform.runner import Interrupted, run
 
     try:
-        result = run(recipe, out)
+        result = run(recipe, out, resume_from=resume_from, max_steps=args.max_steps)
     except R.RecipeError as e:
         print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:
+        if resume_from is None:
+            raise
+        print(f"error: cannot resume from {resume_from}: {e}\n"
+              f"an earlier checkpoint can be named with --resume-from {out}/checkpoints/step-N", file=sys.stderr)
+        return 2
+    except Interrupted as e:
+        print(f"[run] {e}\nresume with: loomrl run {args.recipe} {' '.join(args.overrides)} --out {out} --resume",
+              file=sys.stderr)
+        return 130
     print(result.summary, flush=True)
     return 3 if result.goal_met is False else 0
+
+
+def recipe_diff(a: str, b: str) -> list[str]:
+    """Key paths whose values differ between two dumped recipes."""
+    import yaml
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[prefix + k] = v
+        return out
+
+    fa, fb = flat(yaml.safe_load(a) or {}), flat(yaml.safe_load(b) or {})
+    return sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k)) or ["formatting"]
 
 
 def cmd_report(args) -> int:
@@ -76,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key.path=value overrides (YAML values)")
     p.add_argument("--out", help="run folder (default runs/NAME-TIMESTAMP)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved recipe")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    p.add_argument("--resume-from", metavar="CKPT", help="continue from this checkpoint folder (step-N)")
+    p.add_argument("--max-steps", type=int, metavar="N", help="stop after N RL steps in total, with a checkpoint")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("report", help="plot DIR/metrics.jsonl into DIR/report.png")
     p.add_argument("run_dir")

@@ -35,7 +35,10 @@ def _fsync(path: Path) -> None:
 
 
 def save_checkpoint(root: Path, step: int, model: torch.nn.Module, engine_state: dict,
-                    state: dict, keep_last: int) -> Path:
+                    state: dict, keep_last: int, extra_models: dict | None = None) -> Path:
+    """Write step-N/ atomically; extra_models: {name: module} saved as name.safetensors."""
+    from loomrl.platform.faults import maybe_die
+
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
@@ -43,6 +46,9 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, engine_state:
         shutil.rmtree(tmp)
     tmp.mkdir()
     save_model(model, str(tmp / "model.safetensors"))  # dedups tied weights
+    for name, m in (extra_models or {}).items():
+        save_model(m, str(tmp / f"{name}.safetensors"))
+    maybe_die("checkpoint")
     torch.save(engine_state, tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     files = sorted(p.name for p in tmp.iterdir())
@@ -57,6 +63,17 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, engine_state:
     for old in sorted(root.glob("step-*"))[:-keep_last]:
         shutil.rmtree(old)
     return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint folder (interrupted writes are .tmp and never picked)."""
+    done = sorted(root.glob("step-*")) if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def load_extra_model(path: Path, name: str, model: torch.nn.Module) -> None:
+    """Load name.safetensors of a checkpoint that load_checkpoint has verified."""
+    load_model(model, str(path / f"{name}.safetensors"))
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import hashlib
 import json
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -25,10 +27,11 @@ from loomrl.datasets.stream import ShardStream
 from loomrl.platform import recipe as R
 from loomrl.platform.algorithms.grpo import group_advantages, policy_loss
 from loomrl.platform.backbone.tokenizer import load_tokenizer
+from loomrl.platform import faults
 from loomrl.platform.backbone.vlm import VLM, build_policy
-from loomrl.platform.checkpoint import save_checkpoint
+from loomrl.platform.checkpoint import load_checkpoint, load_extra_model, save_checkpoint
 from loomrl.platform.engines.torch_engine import TorchTrainEngine
-from loomrl.platform.metrics import MetricsLog
+from loomrl.platform.metrics import MetricsLog, read_metrics
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, micro_batches, split
@@ -147,6 +150,7 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
             reward_fn, generator: torch.Generator) -> dict:
     t_step = time.perf_counter()
     samples = source.next(recipe.training.prompts_per_step)
+    faults.maybe_die("rollout")
     ro = recipe.rollout
     params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
     prompts = to_prompts(samples)
@@ -219,6 +223,9 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     media = [m.hash for s in samples for m in s.media]
     row = {
         "step": step,
+        "trajectories": len(trajs),
+        # which prompts this step trained on, so resumed and uninterrupted runs can be compared
+        "prompt_digest": hashlib.sha1(" ".join(s.id for s in samples).encode()).hexdigest()[:16],
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
         "loss": totals["loss"] / updates,
@@ -270,7 +277,10 @@ def goal_check(rows: list[dict], goal: Optional[R.GoalConfig]) -> tuple[Optional
     return ok, text
 
 
-def run(recipe: R.Recipe, out: Path) -> RunResult:
+def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
+        max_steps: Optional[int] = None) -> RunResult:
+    """A whole run into `out`. resume_from: a checkpoint folder to continue from exactly.
+    max_steps: stop (with a checkpoint) once this many RL steps are done in total."""
     t0 = time.perf_counter()
     configure_torch(recipe.training)
     files = shard_files(recipe)
@@ -287,62 +297,136 @@ def run(recipe: R.Recipe, out: Path) -> RunResult:
           f"{recipe.training.steps} RL steps -> {out}", flush=True)
     progress = recipe.logging.progress and sys.stderr.isatty()
 
-    if recipe.training.warmup.steps > 0:
-        wlog = MetricsLog(out, "warmup.jsonl", recipe.logging.tensorboard, prefix="warmup/")
-        run_warmup(recipe, model, tokenizer, source, wlog, progress)
-        wlog.close()
+    ckpt_state = None
+    if resume_from is not None:
+        engine_state, ckpt_state = load_checkpoint(resume_from, model)  # verified, or ValueError
+    else:
+        for name in ("metrics.jsonl", "warmup.jsonl"):  # a resume without a checkpoint starts over
+            (out / name).unlink(missing_ok=True)
+        if recipe.training.warmup.steps > 0:
+            wlog = MetricsLog(out, "warmup.jsonl", recipe.logging.tensorboard, prefix="warmup/")
+            run_warmup(recipe, model, tokenizer, source, wlog, progress)
+            wlog.close()
 
     ref_model = None
     if recipe.algorithm.kl_coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     rollout = TorchRolloutEngine(model, recipe.rollout.drafter)
+    engine = TorchTrainEngine(model, recipe.training)
+    generator = torch.Generator().manual_seed(recipe.training.seed)
+    counters = {"generated": 0, "trained": 0, "dropped": 0}
+    rows: list[dict] = []
+    if ckpt_state is not None:
+        engine.load_state_dict(engine_state)
+        generator.set_state(engine_state["generator"])
+        torch.set_rng_state(engine_state["torch_rng"])
+        source.load_state(ckpt_state["data"])
+        rollout.load_state_dict(ckpt_state["rollout"])
+        counters = ckpt_state["trajectories"]
+        if ref_model is not None:
+            load_extra_model(resume_from, "ref_model", ref_model)
+        # the steps after the checkpoint will be run again: drop their rows
+        if (out / "metrics.jsonl").exists():
+            rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] < ckpt_state["step"]]
+        tmp = out / ".metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(out / "metrics.jsonl")
+        print(f"[run] resumed from {resume_from} at RL step {ckpt_state['step']}", flush=True)
+    start = len(rows)
     # The drafter allocates many small containers per step, which triggers full garbage
     # collections; each would walk every object the imports and the model created (~0.2 s
     # pauses). Freeze those: they live for the whole run.
     gc.collect()
     gc.freeze()
-    engine = TorchTrainEngine(model, recipe.training)
-    generator = torch.Generator().manual_seed(recipe.training.seed)
     log = MetricsLog(out, "metrics.jsonl", recipe.logging.tensorboard)
-    rows: list[dict] = []
     from tqdm import tqdm
 
-    bar = tqdm(range(recipe.training.steps), desc="GRPO", disable=not progress, dynamic_ncols=True)
+    end = recipe.training.steps if max_steps is None else min(max_steps, recipe.training.steps)
+    bar = tqdm(range(start, end), desc="GRPO", disable=not progress, dynamic_ncols=True)
     ck = recipe.checkpoint
+
+    def checkpoint(step: int) -> Path:
+        state = {"step": step, "data": source.state(), "rollout": rollout.state_dict(),
+                 "trajectories": counters}
+        engine_state = dict(engine.state_dict(), generator=generator.get_state(), torch_rng=torch.get_rng_state())
+        extra = {"ref_model": ref_model} if ref_model is not None else None
+        return save_checkpoint(out / "checkpoints", step, model, engine_state, state, ck.keep_last, extra)
+
+    path = None
+    stop = StopRequest()
     try:
-        for step in bar:
-            row = rl_step(step, recipe, model, ref_model, tokenizer, source, rollout, engine, reward_fn, generator)
-            rows.append(row)
-            log.log(row)
-            recent = rows[-10:]
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}",
-                            avg10=f"{sum(r['reward_mean'] for r in recent) / len(recent):.3f}")
-            if not progress and (step % 10 == 0 or step == recipe.training.steps - 1):
-                print(f"[step {step:4d}] reward {row['reward_mean']:.3f}  loss {row['loss']:+.4f}  "
-                      f"{row['tokens_per_s']:.0f} tok/s  step {row['step_s']:.2f}s", flush=True)
-            if ck.every and (step + 1) % ck.every == 0 and step + 1 < recipe.training.steps:
-                save(out, step + 1, model, engine, source, rollout.version, ck.keep_last)
-        path = save(out, len(rows), model, engine, source, rollout.version, ck.keep_last)
+        with stop:
+            for step in bar:
+                faults.current_step = step
+                row = rl_step(step, recipe, model, ref_model, tokenizer, source, rollout, engine, reward_fn,
+                              generator)
+                counters["generated"] += row["trajectories"]
+                counters["trained"] += row["trajectories"]  # synchronous: all of a step's rollouts train
+                row.update({f"trajectories_{k}": v for k, v in counters.items()})
+                rows.append(row)
+                log.log(row)
+                recent = rows[-10:]
+                bar.set_postfix(reward=f"{row['reward_mean']:.3f}",
+                                avg10=f"{sum(r['reward_mean'] for r in recent) / len(recent):.3f}")
+                if not progress and (step % 10 == 0 or step == end - 1):
+                    print(f"[step {step:4d}] reward {row['reward_mean']:.3f}  loss {row['loss']:+.4f}  "
+                          f"{row['tokens_per_s']:.0f} tok/s  step {row['step_s']:.2f}s", flush=True)
+                if stop.requested:
+                    raise Interrupted(step + 1, checkpoint(step + 1))
+                if ck.every and (step + 1) % ck.every == 0 and step + 1 < end:
+                    checkpoint(step + 1)
+            path = checkpoint(len(rows))
     finally:
         log.close()
         rollout.shutdown()
-    goal_met, goal_text = goal_check(rows, recipe.goal)
+    finished = len(rows) == recipe.training.steps
+    goal_met, goal_text = goal_check(rows, recipe.goal) if finished else (None, "")
     wall = time.perf_counter() - t0
-    summary = summarize(recipe, out, rows, wall, path, goal_text, source)
+    summary = summarize(recipe, out, rows, wall, path, goal_text, source, counters)
+    if not finished:
+        summary += f"\nstopped at RL step {len(rows)} of {recipe.training.steps} (--max-steps); continue with --resume"
     (out / "summary.json").write_text(json.dumps({
         "steps": len(rows), "wall_s": wall, "goal_met": goal_met, "goal": goal_text,
-        "skipped_samples": len(source.skipped)}, indent=1))
+        "skipped_samples": source.state()["skipped"], "trajectories": counters}, indent=1))
     return RunResult(out, rows, goal_met, summary)
 
 
-def save(out: Path, step: int, model: VLM, engine: TorchTrainEngine, source: PromptSource,
-         policy_version: int, keep_last: int) -> Path:
-    state = {"step": step, "data": source.state(), "policy_version": policy_version}
-    return save_checkpoint(out / "checkpoints", step, model, engine.state_dict(), state, keep_last)
+class Interrupted(Exception):
+    """SIGINT/SIGTERM: the current step finished and a checkpoint was written."""
+
+    def __init__(self, step: int, path: Path):
+        super().__init__(f"interrupted after RL step {step}; checkpoint {path}")
+        self.step, self.path = step, path
+
+
+class StopRequest:
+    """While active, SIGINT and SIGTERM ask the loop to stop after the current step
+    (a second signal stops at once)."""
+
+    def __init__(self):
+        self.requested = False
+        self._old: dict = {}
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n[run] signal {signum}: finishing this step, then writing a checkpoint "
+              f"(signal again to stop now)", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
 
 
 def summarize(recipe: R.Recipe, out: Path, rows: list[dict], wall: float, ckpt: Path,
-              goal_text: str, source: PromptSource) -> str:
+              goal_text: str, source: PromptSource, counters: dict) -> str:
     lines = [f"== loomrl run '{recipe.name}' done in {wall:.0f}s =="]
     if rows:
         mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
@@ -357,8 +441,11 @@ def summarize(recipe: R.Recipe, out: Path, rows: list[dict], wall: float, ckpt: 
         ]
     if goal_text:
         lines.append(goal_text)
-    if source.skipped:
-        lines.append(f"skipped samples {len(source.skipped)} (see warnings above)")
+    skipped = source.state()["skipped"]
+    if skipped:
+        lines.append(f"skipped samples {skipped} (see warnings above)")
+    lines.append(f"trajectories    generated {counters['generated']} = trained {counters['trained']} "
+                 f"+ dropped {counters['dropped']} + pending 0")
     lines += [f"outputs         {out}/metrics.jsonl, tensorboard/, {ckpt.relative_to(out)}",
               f"plot            loomrl report {out}"]
     return "\n".join(lines)

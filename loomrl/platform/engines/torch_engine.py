@@ -59,6 +59,9 @@ class TorchTrainEngine:
         else:
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
         totals["grad_norm"] = float(norm)
+        from loomrl.platform.faults import maybe_die
+
+        maybe_die("optimizer")
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)  # also frees grads of parameters not optimised here
         return totals

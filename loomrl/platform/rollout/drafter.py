@@ -172,6 +172,23 @@ class NgramDrafter:
             while len(g.seqs) > self.cfg.global_history:
                 g.evict_oldest()
 
+    def state_dict(self) -> dict:
+        """Histories as plain lists (JSON), oldest first, prompts in LRU order."""
+        return {"prompts": [[key, list(h.seqs.values())] for key, h in self.histories.items()],
+                "global": list(self.global_history.seqs.values())}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Rebuild the histories; recency weights depend only on relative age, so
+        re-adding in order reproduces every future draft exactly."""
+        self.histories = OrderedDict()
+        for key, seqs in state["prompts"]:
+            h = self.histories[key] = _History()
+            for seq in seqs:
+                h.add(list(seq))
+        self.global_history = _History()
+        for seq in state["global"]:
+            self.global_history.add(list(seq))
+
     def history_tokens(self) -> int:
         """Tokens held in all histories (the drafter's memory, bounded by the caps)."""
         return sum(h.tokens for h in self.histories.values()) + self.global_history.tokens

@@ -242,6 +242,21 @@ class TorchRolloutEngine:
             for i, (pi, j) in enumerate(rows)]
         return RolloutResult(rollouts, forwards, time.perf_counter() - start, seq_forwards)
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue exactly: version, drafter histories,
+        prefetcher statistics (JSON)."""
+        state: dict = {"version": self.version}
+        if self.drafter:
+            state["drafter"] = self.drafter.state_dict()
+            state["accept_hist"] = {str(k): v for k, v in self.prefetcher.accept_hist.items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version = state["version"]
+        if self.drafter and "drafter" in state:
+            self.drafter.load_state_dict(state["drafter"])
+            self.prefetcher.accept_hist = {int(k): v for k, v in state["accept_hist"].items()}
+
     def observe(self, prompt_id: str, completion_ids: list[int]) -> None:
         """Feed a finished rollout into the drafter's history of its prompt."""
         if self.drafter:
