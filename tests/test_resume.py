@@ -121,3 +121,9 @@ def test_thousand_step_synthetic_run_stays_within_the_caps(demo_shards, model, t
         assert all(len(h.seqs) <= 4 and h.tokens <= 60 for h in drafter.histories.values())
     assert drafter.history_tokens() <= 10 * 60 + 20 * 30
     assert source.state()["served"] == 3000
+
+
+def test_checkpoint_of_another_recipe_is_refused(baseline):
+    tmp, _ = baseline
+    p = cli(tmp, "elsewhere", "training.lr=0.1", "--resume-from", str(tmp / "full" / "checkpoints" / "step-000006"))
+    assert p.returncode == 2 and "state.json: was written by another recipe" in p.stderr

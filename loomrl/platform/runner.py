@@ -317,6 +317,8 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
     counters = {"generated": 0, "trained": 0, "dropped": 0}
     rows: list[dict] = []
     if ckpt_state is not None:
+        if ckpt_state.get("recipe") != R.to_dict(recipe):
+            raise ValueError(f"{resume_from / 'state.json'}: was written by another recipe")
         engine.load_state_dict(engine_state)
         generator.set_state(engine_state["generator"])
         torch.set_rng_state(engine_state["torch_rng"])
@@ -347,7 +349,7 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
 
     def checkpoint(step: int) -> Path:
         state = {"step": step, "data": source.state(), "rollout": rollout.state_dict(),
-                 "trajectories": counters}
+                 "trajectories": counters, "recipe": R.to_dict(recipe)}
         engine_state = dict(engine.state_dict(), generator=generator.get_state(), torch_rng=torch.get_rng_state())
         extra = {"ref_model": ref_model} if ref_model is not None else None
         return save_checkpoint(out / "checkpoints", step, model, engine_state, state, ck.keep_last, extra)
