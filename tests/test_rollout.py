@@ -1,7 +1,7 @@
 import torch
 
 from loomrl.platform.rollout.base import Prompt, SamplingParams
-from loomrl.platform.rollout.torch_engine import TorchRolloutEngine, sample_tokens
+from loomrl.platform.rollout.torch_engine import TorchRolloutEngine, target_probs
 from loomrl.platform.trajectory.batch import Trajectory, collate
 
 
@@ -38,8 +38,8 @@ def test_rollouts_stop_at_eos_and_are_grouped(model, samples):
 def test_top_p_samples_only_inside_the_nucleus():
     logp = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(2000, 4)
     g = torch.Generator().manual_seed(0)
-    drawn = sample_tokens(logp, 0.7, g)
+    drawn = torch.multinomial(target_probs(logp, 1.0, 0.7), 1, generator=g).squeeze(-1)
     assert set(drawn.tolist()) == {0, 1}  # 0.5 + 0.3 covers 0.7; tokens 2, 3 never
     frac0 = (drawn == 0).float().mean().item()
     assert abs(frac0 - 0.5 / 0.8) < 0.04
-    assert set(sample_tokens(logp, 1.0, g).tolist()) == {0, 1, 2, 3}
+    assert set(torch.multinomial(target_probs(logp, 1.0, 1.0), 1, generator=g).squeeze(-1).tolist()) == {0, 1, 2, 3}

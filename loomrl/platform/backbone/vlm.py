@@ -189,7 +189,7 @@ class VLM(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward_embeds(self, embeds: torch.Tensor, attention_mask: torch.Tensor,
-                       cache: KVCache | None = None, past_len: torch.Tensor | None = None):
+                       cache: KVCache | None = None):
         """Logits for embeddings. attention_mask covers past + new tokens; positions
         count only real tokens, so left padding does not shift RoPE."""
         t = embeds.shape[1]

@@ -246,7 +246,7 @@ class NgramDrafter:
             found.append((_match_len(ctx, ctx, pos), ctx, pos, W_OWN))
         out = _longest(found)
         g = self.global_history
-        if g.seqs and (not found or found_best(found) < GLOBAL_BELOW):
+        if g.seqs and (not found or max(f[0] for f in found) < GLOBAL_BELOW):
             cross = [(_match_len(ctx, g.seqs[sid], pos), g.seqs[sid], pos, W_GLOBAL)
                      for sid, pos in map(_split, _lookup(g.index, g.unigram, ctx)) if pos < len(g.seqs[sid])]
             out += _longest(cross)
@@ -266,10 +266,6 @@ def _lookup(index: dict, unigram: dict, ctx: list[int], own: bool = False) -> li
         if occ:
             return occ[-MAX_OCCURRENCES:]
     return []
-
-
-def found_best(found: list) -> int:
-    return max(f[0] for f in found)
 
 
 def _longest(found: list) -> list:

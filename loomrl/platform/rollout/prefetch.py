@@ -65,8 +65,3 @@ class FanoutPrefetcher:
     def coverage(self) -> float:
         return self.covered / self.planned if self.planned else 0.0
 
-
-def outcome_contexts(draft: Draft, outcomes: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
-    """Tokens each prepared outcome appends to the context: draft[:j] + [b]."""
-    return {(j, b): draft.tokens[:j] + [b] for j, b in outcomes}
-

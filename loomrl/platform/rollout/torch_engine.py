@@ -49,11 +49,6 @@ def target_probs(logp: torch.Tensor, temperature: float, top_p: float) -> torch.
     return probs
 
 
-def sample_tokens(logp: torch.Tensor, top_p: float, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Draw one token per row from log-probs [B, V], keeping the smallest top-p nucleus."""
-    return torch.multinomial(target_probs(logp, 1.0, top_p), 1, generator=generator).squeeze(-1)
-
-
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
