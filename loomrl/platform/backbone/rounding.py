@@ -1,0 +1,110 @@
+"""Where the backbone rounds: the three rounding regions, each in two modes.
+
+The same weights give different log-probs in the inference engine and in the
+trainer when the two stacks round to the working dtype (BF16) in different
+places. Each function below is one *region* of a Qwen2 layer and takes a
+`mode`:
+
+- ``"native"`` rounds exactly where transformers' Qwen2 implementation does
+  (bit-identical to its modules in BF16; `tests/test_rounding.py` checks it).
+- ``"aligned"`` upcasts the inputs to FP32, keeps every intermediate in FP32 and
+  rounds to the working dtype once, at the region's output, as vLLM's fused
+  kernels do (`fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`).
+
+The working dtype is the dtype of the region's activation input (`x`, `gate`).
+In FP32 the two modes compute the same operations in the same order and are
+bit-identical; they differ only when the working dtype is narrower than FP32.
+
+Every function is a plain function of tensors so that any layer implementation
+(the built-in decoder, a Megatron layer spec) can call it.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+Mode = Literal["native", "aligned"]
+MODES = ("native", "aligned")
+
+
+def _check(mode: str, region: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"rounding mode for {region}: {mode!r} is not one of {list(MODES)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: Mode,
+             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add + RMSNorm region: `(norm(x + residual) * weight, x + residual)`.
+
+    residual=None: just the norm of `x`; the returned residual stream is `x` itself.
+    Both outputs are in x's dtype (given a weight of that dtype).
+
+    native (transformers' `residual + hidden_states` then `Qwen2RMSNorm`):
+      1. `x + residual` in the working dtype -> rounded (this is also the new residual stream);
+      2. mean of squares and `* rsqrt(var + eps)` in FP32;
+      3. the normalised value is cast back to the working dtype -> rounded;
+      4. `weight * that` in the working dtype -> rounded.
+    aligned (vLLM's `fused_add_rms_norm` / `rms_norm`):
+      the sum, the statistics, the scaling and `* weight` all in FP32; rounded once for
+      the output, and the FP32 sum rounded once for the new residual stream.
+    """
+    _check(mode, "rmsnorm")
+    dtype = x.dtype
+    if mode == "native":
+        if residual is not None:
+            x = residual + x
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype), x
+    z = x.to(torch.float32)
+    if residual is not None:
+        z = residual.to(torch.float32) + z
+        residual_out = z.to(dtype)
+    else:
+        residual_out = x
+    # (z * r) * w: in FP32 the same products as native's w * (z * r), so FP32 is bit-identical.
+    out = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)
+    return out.to(dtype), residual_out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, mode: Mode) -> torch.Tensor:
+    """The SwiGLU region: `silu(gate) * up`, in gate's dtype.
+
+    native (transformers' `act_fn(gate_proj(x)) * up_proj(x)`):
+      `silu(gate)` -> rounded to the working dtype; `* up` -> rounded again.
+    aligned (vLLM's `silu_and_mul`):
+      silu and the product in FP32, rounded once.
+    """
+    _check(mode, "swiglu")
+    if mode == "native":
+        return F.silu(gate) * up
+    return (F.silu(gate.to(torch.float32)) * up.to(torch.float32)).to(gate.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode) -> torch.Tensor:
+    """The RoPE region (neox / rotate-half style): `x * cos + rotate_half(x) * sin`, in x's dtype.
+
+    cos/sin must broadcast against x (e.g. [B, 1, T, D] for x [B, H, T, D]); the built-in
+    decoder computes them in FP32.
+
+    native (transformers' rotary embedding + `apply_rotary_pos_emb`):
+      cos and sin are cast to the working dtype -> rounded; `x * cos` -> rounded;
+      `rotate_half(x) * sin` -> rounded; their sum -> rounded.
+    aligned (vLLM's `rotary_embedding`, with FP32 cos/sin):
+      cos and sin kept at the precision they are given, both products and the sum in
+      FP32, rounded once.
+    """
+    _check(mode, "rope")
+    if mode == "native":
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return x * cos + rotate_half(x) * sin
+    xf = x.to(torch.float32)
+    cos, sin = cos.to(torch.float32), sin.to(torch.float32)
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
