@@ -8,14 +8,25 @@ One forward serves prefill, incremental decoding and training: it takes
 input embeddings (so media encodings can be spliced in), explicit position
 ids and a key padding mask, and optionally a KV cache (a list of (k, v) per
 layer) that it extends and returns.
+
+Where the layers round to the working dtype is chosen per region (RoPE, SwiGLU,
+residual add + RMSNorm) by `cfg.rounding` (see `rounding.py`); the layer is
+written the way vLLM writes it, carrying the residual stream into the next
+norm, so the add + norm is one region. In FP32 every mode computes the same
+numbers. Qwen2-VL / Qwen2.5-VL language models use M-RoPE (`mrope_section`):
+position ids [3, B, T] (temporal, height, width) instead of [B, T].
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loomrl.platform.backbone import rounding
+from loomrl.platform.backbone.rounding import Regions
 
 
 @dataclass
@@ -29,6 +40,9 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
+    mrope_section: Optional[list[int]] = None  # M-RoPE: frequencies per (t, h, w); sums to head_dim // 2
+    max_position_embeddings: int = 32768  # only written to exported configs
+    rounding: Regions = field(default_factory=Regions)  # read at every forward: switchable in place
 
     @property
     def head_dim(self) -> int:
@@ -39,35 +53,39 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.eps = cfg.rms_norm_eps
+        self.cfg = cfg
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 whatever the input dtype (as Qwen2RMSNorm does).
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """(normed, new residual stream); with a residual, the add is part of the region."""
+        return rounding.rms_norm(x, self.weight, self.eps, self.cfg.rounding.rmsnorm, residual)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [B, T, head_dim] for integer positions [B, T]."""
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
+                 mrope_section: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 cos/sin of shape [B, T, head_dim] for integer positions [B, T], or [3, B, T]
+    with `mrope_section` (frequency band i takes its angle from position row i % 3,
+    as transformers' Qwen2-VL / Qwen2.5-VL text rotary embedding does)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = position_ids.float()[..., None] * inv_freq
+    if mrope_section is None:
+        if position_ids.dim() != 2:
+            raise ValueError(f"position ids must be [B, T] without mrope_section, got {list(position_ids.shape)}")
+        freqs = position_ids.float()[..., None] * inv_freq
+    else:
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must sum to head_dim // 2 = {head_dim // 2}")
+        if position_ids.dim() == 2:  # text only: the three rows are equal
+            position_ids = position_ids[None].expand(3, -1, -1)
+        if position_ids.dim() != 3 or position_ids.shape[0] != 3:
+            raise ValueError(f"M-RoPE position ids must be [3, B, T], got {list(position_ids.shape)}")
+        all_freqs = position_ids.float()[..., None] * inv_freq  # [3, B, T, head_dim // 2]
+        bands = all_freqs.split(list(mrope_section), dim=-1)
+        freqs = torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # broadcast over heads
-    return x * cos + _rotate_half(x) * sin
 
 
 class Attention(nn.Module):
@@ -86,7 +104,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)
         k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)
         v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mode = self.cfg.rounding.rope
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        q, k = rounding.apply_rope(q, cos, sin, mode), rounding.apply_rope(k, cos, sin, mode)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
@@ -100,27 +120,30 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
+        self.cfg = cfg
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(rounding.swiglu(self.gate_proj(x), self.up_proj(x), self.cfg.rounding.swiglu))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, past=None):
-        a, present = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
-        x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, present
+    def forward(self, x, residual, cos, sin, mask, past=None):
+        """x: the previous layer's MLP output (or the embeddings, residual=None); returns this
+        layer's MLP output and the residual stream, which the next norm adds first."""
+        h, residual = self.input_layernorm(x, residual)
+        a, present = self.self_attn(h, cos, sin, mask, past)
+        h, residual = self.post_attention_layernorm(a, residual)
+        return self.mlp(h), residual, present
 
 
 class _Body(nn.Module):
@@ -130,7 +153,7 @@ class _Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg)
 
 
 class Decoder(nn.Module):
@@ -156,6 +179,7 @@ class Decoder(nn.Module):
     ) -> tuple[torch.Tensor, KVCache]:
         """Logits [B, T, V] and the extended KV cache.
 
+        position_ids: [B, T], or [3, B, T] with M-RoPE (`cfg.mrope_section`).
         key_mask: bool [B, S_past + T], True where a key is a real token (False
         for padding). Queries attend causally to real keys.
         """
@@ -166,10 +190,10 @@ class Decoder(nn.Module):
         # A padded query row with no visible key would give NaN; let it see itself.
         pos_q = torch.arange(t, device=mask.device)[:, None] + (s - t)
         mask = mask | (torch.arange(s, device=mask.device)[None, :] == pos_q)[None, None]
-        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
-        x = inputs_embeds
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.mrope_section)
+        x, residual = inputs_embeds, None
         new_cache: KVCache = []
         for i, layer in enumerate(self.model.layers):
-            x, present = layer(x, cos, sin, mask, None if cache is None else cache[i])
+            x, residual, present = layer(x, residual, cos, sin, mask, None if cache is None else cache[i])
             new_cache.append(present)
-        return self.lm_head(self.model.norm(x)), new_cache
+        return self.lm_head(self.model.norm(x, residual)[0]), new_cache

@@ -20,6 +20,7 @@ Every function is a plain function of tensors so that any layer implementation
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
@@ -108,3 +109,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode
     xf = x.to(torch.float32)
     cos, sin = cos.to(torch.float32), sin.to(torch.float32)
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+@dataclass
+class Regions:
+    """The rounding mode of each region of a decoder (the recipe's `model.rounding`)."""
+
+    rope: Mode = "aligned"
+    swiglu: Mode = "aligned"
+    rmsnorm: Mode = "aligned"
+
+    def __post_init__(self):
+        for region in ("rope", "swiglu", "rmsnorm"):
+            _check(getattr(self, region), region)
+
+
+# The settings `loomrl doctor` compares: all native, each region aligned alone, all aligned.
+SETTINGS: dict[str, Regions] = {
+    "native": Regions("native", "native", "native"),
+    "rope": Regions("aligned", "native", "native"),
+    "swiglu": Regions("native", "aligned", "native"),
+    "rmsnorm": Regions("native", "native", "aligned"),
+    "aligned": Regions("aligned", "aligned", "aligned"),
+}
