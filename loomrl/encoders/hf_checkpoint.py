@@ -29,13 +29,31 @@ def read_config(folder: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def safetensors_files(folder: str | Path) -> list[Path]:
+    """The weight files of a folder: the shards `model.safetensors.index.json` lists, if there is
+    one (each must exist), else every `*.safetensors`."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+        for n in names:  # plain file names only: an index must not point outside its folder
+            if Path(n).name != n or not (folder / n).is_file():
+                raise FileNotFoundError(f"{index}: lists {n!r}, which is not a file in {folder}")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    return files
+
+
 def read_tensors(folder: str | Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Tensors under the first of `prefixes` that the folder's safetensors files use, prefix removed."""
     from safetensors import safe_open
 
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    files = safetensors_files(folder)
     for prefix in prefixes:
         out: dict[str, torch.Tensor] = {}
         for f in files:

@@ -1,0 +1,284 @@
+"""Hugging Face checkpoint folders in and out of loomrl's model.
+
+Import: a local folder (`config.json` + `model.safetensors`, or shards listed by
+`model.safetensors.index.json`) of Qwen2ForCausalLM, Qwen2-VL, Qwen2.5-VL or
+Qwen2-Audio. The language model goes into a `Decoder` (its parameter names are
+Qwen2ForCausalLM's); the vision / audio towers go through
+`loomrl.encoders.hf_checkpoint`. Nothing is downloaded, nothing unpickled.
+
+Export: the same folder layouts, in the *hub* key layout that transformers and
+vLLM both load (`model.*` + `lm_head.weight` for Qwen2 / Qwen2-VL / Qwen2.5-VL,
+`language_model.model.*` + `language_model.lm_head.weight` for Qwen2-Audio;
+not the `language_model.model.model.*` that transformers 5.19 itself writes for
+Qwen2-Audio, which vLLM rejects). With tied embeddings `lm_head.weight` is left
+out and `tie_word_embeddings: true` written, as transformers does, so every
+loader ties the head to the embedding it reads. A folder is written next to
+its destination and renamed into place, so a crash never leaves a half folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from loomrl.encoders.hf_checkpoint import read_config, read_tensors, safetensors_files
+from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
+
+SUPPORTED = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_audio")
+DEFAULT_MAX_SHARD_BYTES = 4 << 30
+
+# Prefixes under which checkpoints keep the language model, mapped to Qwen2ForCausalLM's.
+# The longest match wins (Qwen2-Audio as transformers 5.19 writes it nests `model.model.`).
+_LM_PREFIXES = {
+    "language_model.model.model.": "model.",   # Qwen2-Audio, transformers 5.19's save_pretrained
+    "language_model.model.": "model.",         # Qwen2-Audio, hub layout
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",         # Qwen2-VL family, transformers 5 module names
+    "model.": "model.",                        # Qwen2, Qwen2-VL family hub layout
+    "lm_head.": "lm_head.",
+}
+_NOT_LM = ("model.visual.", "model.audio_tower.", "model.multi_modal_projector.")
+
+
+def _text_config(cfg: dict) -> dict:
+    """The language model's settings: `text_config` (transformers 5) over top-level keys (older)."""
+    return {**cfg, **cfg.get("text_config", {})}
+
+
+def decoder_config(cfg: dict, where: str = "config.json") -> DecoderConfig:
+    """A DecoderConfig from a Hugging Face config.json dict of a supported model type."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(SUPPORTED)})")
+    t = _text_config(cfg)
+    rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
+        raise ValueError(f"{where}: rope type {rope.get('rope_type')!r} is not supported (default RoPE / M-RoPE)")
+    if t.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window=true is not supported")
+    try:
+        hidden, heads = t["hidden_size"], t["num_attention_heads"]
+        if t.get("head_dim") not in (None, hidden // heads):
+            raise ValueError(f"{where}: head_dim {t['head_dim']} != hidden_size / num_attention_heads")
+        # The head is tied unless the top level or the text config says otherwise (transformers'
+        # default for these families when the key is missing is untied).
+        tie = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False))
+        mrope = rope.get("mrope_section")
+        return DecoderConfig(
+            vocab_size=t["vocab_size"], hidden_size=hidden, num_layers=t["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=t.get("num_key_value_heads", heads),
+            intermediate_size=t["intermediate_size"],
+            rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(tie),
+            mrope_section=list(mrope) if mrope is not None else None,
+            max_position_embeddings=int(t.get("max_position_embeddings", 32768)))
+    except KeyError as e:
+        raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
+
+
+def language_model_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The language model's tensors of a checkpoint folder, under Qwen2ForCausalLM names."""
+    tensors = read_tensors(folder, ("",))
+    out: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        if key.startswith(_NOT_LM):
+            continue
+        prefix = max((p for p in _LM_PREFIXES if key.startswith(p)), key=len, default=None)
+        if prefix is None:
+            continue  # a tower, a projector: not the language model's
+        name = _LM_PREFIXES[prefix] + key[len(prefix):]
+        if name in out:
+            raise ValueError(f"{folder}: tensor {name} appears under two prefixes")
+        out[name] = value
+    return out
+
+
+def load_language_model(folder: str | Path, dtype: Optional[torch.dtype] = None) -> Decoder:
+    """A Decoder holding the language model of a local checkpoint folder.
+
+    dtype: cast to this; None keeps the checkpoint's dtype."""
+    cfg = decoder_config(read_config(folder), f"{folder}/config.json")
+    state = language_model_state(folder)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # tied: the head is the embedding, whatever a file adds
+    decoder = Decoder(cfg)
+    missing, unexpected = decoder.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{folder}: language model tensors do not fit config.json: "
+                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    if dtype is None:
+        dtype = state["model.embed_tokens.weight"].dtype
+    return decoder.to(dtype).eval()
+
+
+def load_policy(model, folder: str | Path) -> None:
+    """Load a checkpoint folder into a loomrl VLM: the language model always, the vision tower
+    (Qwen2-VL / Qwen2.5-VL) or the audio tower + projector (Qwen2-Audio) when the folder has it.
+    The folder's language model must have the VLM's shapes (vocabulary included)."""
+    from loomrl.encoders.hf_checkpoint import attach_towers
+
+    src = load_language_model(folder, next(model.parameters()).dtype)
+    dst = model.language_model
+    have = (src.cfg.vocab_size, src.cfg.hidden_size, src.cfg.num_layers, src.cfg.num_heads,
+            src.cfg.num_kv_heads, src.cfg.intermediate_size, src.cfg.tie_word_embeddings)
+    want = (dst.cfg.vocab_size, dst.cfg.hidden_size, dst.cfg.num_layers, dst.cfg.num_heads,
+            dst.cfg.num_kv_heads, dst.cfg.intermediate_size, dst.cfg.tie_word_embeddings)
+    if have != want:
+        raise ValueError(f"{folder}: language model (vocab, hidden, layers, heads, kv heads, mlp, tied) "
+                         f"{have} does not fit the recipe's model {want}")
+    for name in ("rope_theta", "rms_norm_eps", "mrope_section"):
+        setattr(dst.cfg, name, getattr(src.cfg, name))
+    dst.load_state_dict(src.state_dict())
+    model_type = read_config(folder)["model_type"]
+    attach_towers(model, vision_folder=folder if model_type in ("qwen2_vl", "qwen2_5_vl") else None,
+                  audio_folder=folder if model_type == "qwen2_audio" else None)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def text_config(cfg: DecoderConfig, dtype: torch.dtype) -> dict:
+    """Qwen2 language-model settings as transformers' config.json spells them."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.mrope_section is not None:
+        rope["mrope_section"] = list(cfg.mrope_section)
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+        "use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": _dtype_name(dtype),
+        "dtype": _dtype_name(dtype),
+    }
+
+
+def decoder_tensors(decoder: Decoder, prefix_model: str = "model.", prefix_head: str = "lm_head.",
+                    dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """The decoder's tensors under checkpoint names; `lm_head.weight` only when untied."""
+    out = {}
+    for name, t in decoder.state_dict().items():
+        if name == "lm_head.weight" and decoder.cfg.tie_word_embeddings:
+            continue
+        key = prefix_head + name[len("lm_head."):] if name.startswith("lm_head.") \
+            else prefix_model + name[len("model."):]
+        out[key] = t.detach().to(dtype or t.dtype).contiguous()
+    return out
+
+
+def write_folder(folder: str | Path, config: dict, tensors: dict[str, torch.Tensor],
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+    """Write config.json + safetensors (sharded with an index past `max_shard_bytes`) into
+    `folder`, atomically: filled beside it, fsynced, then renamed into place. An existing
+    folder is refused unless `overwrite`."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    if folder.exists() and not overwrite:
+        raise FileExistsError(f"{folder}: already exists (refusing to overwrite an export)")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / "model.safetensors"), metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / fname), metadata=metadata)
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for p in tmp.iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, folder)
+    return folder
+
+
+def export_language_model(decoder: Decoder, folder: str | Path, dtype: Optional[torch.dtype] = None,
+                          token_ids: Optional[dict] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                          overwrite: bool = False) -> Path:
+    """Write `decoder` as a Qwen2ForCausalLM folder (config.json + safetensors, no tokenizer) that
+    transformers and vLLM load.
+
+    dtype: the tensors' dtype (None: the decoder's). token_ids: optional `bos_token_id`,
+    `eos_token_id`, `pad_token_id` for config.json. A decoder with M-RoPE is written without
+    `mrope_section` (a text-only Qwen2 model has none; for text positions it is the same RoPE)."""
+    dtype = dtype or next(decoder.parameters()).dtype
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+           **text_config(decoder.cfg, dtype), **(token_ids or {})}
+    cfg["rope_parameters"].pop("mrope_section", None)
+    return write_folder(folder, cfg, decoder_tensors(decoder, dtype=dtype), max_shard_bytes, overwrite)
+
+
+def export_policy(model, folder: str | Path, modality: str, dtype: Optional[torch.dtype] = None,
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+    """Write a loomrl VLM as the HF model of one modality: "image" -> Qwen2-VL or Qwen2.5-VL
+    (by the vision tower's type; language model + `visual.*`), "audio" -> Qwen2-Audio (language
+    model + `audio_tower.*` + `multi_modal_projector.linear.*`), "text" -> Qwen2ForCausalLM."""
+    lm = model.language_model
+    dtype = dtype or next(model.parameters()).dtype
+    if modality == "text":
+        return export_language_model(lm, folder, dtype, None, max_shard_bytes, overwrite)
+    text = {**text_config(lm.cfg, dtype), "eos_token_id": model.eos_token_id, "pad_token_id": model.pad_token_id}
+
+    def tower_tensors(module, prefix):
+        return {prefix + k: v.detach().to(dtype).contiguous() for k, v in module.state_dict().items()}
+
+    if modality == "image":
+        vision = model.visual.config.to_dict()
+        model_type = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl_vision": "qwen2_5_vl"}.get(vision.get("model_type"))
+        if model_type is None:
+            raise ValueError(f"vision tower of type {vision.get('model_type')!r} has no HF model to export to")
+        arch = "Qwen2VLForConditionalGeneration" if model_type == "qwen2_vl" else "Qwen2_5_VLForConditionalGeneration"
+        if lm.cfg.mrope_section is None:  # Qwen2-VL needs one; text positions make it plain RoPE
+            half = lm.cfg.head_dim // 2
+            text["rope_parameters"]["mrope_section"] = [half - 2 * (half // 4), half // 4, half // 4]
+        config = {"architectures": [arch], "model_type": model_type, "text_config": dict(text),
+                  "vision_config": vision, "image_token_id": model.image_token_id,
+                  "tie_word_embeddings": lm.cfg.tie_word_embeddings, "torch_dtype": text["dtype"],
+                  "dtype": text["dtype"]}
+        tensors = {**decoder_tensors(lm, dtype=dtype), **tower_tensors(model.visual, "visual.")}
+    elif modality == "audio":
+        config = {"architectures": ["Qwen2AudioForConditionalGeneration"], "model_type": "qwen2_audio",
+                  "text_config": {"model_type": "qwen2", **text}, "audio_config": model.audio_tower.config.to_dict(),
+                  "audio_token_index": model.audio_token_id, "tie_word_embeddings": lm.cfg.tie_word_embeddings,
+                  "torch_dtype": text["dtype"], "dtype": text["dtype"]}
+        tensors = {**decoder_tensors(lm, "language_model.model.", "language_model.lm_head.", dtype),
+                   **tower_tensors(model.audio_tower, "audio_tower."),
+                   **tower_tensors(model.audio_projector, "multi_modal_projector.linear.")}
+    else:
+        raise ValueError(f"modality {modality!r}: expected 'text', 'image' or 'audio'")
+    return write_folder(folder, config, tensors, max_shard_bytes, overwrite)
