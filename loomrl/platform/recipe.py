@@ -200,24 +200,107 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardSourceConfig:
+    """One reward source: a callable or a learned reward model, with its weight."""
+
+    fn: Optional[str] = None
+    """A reward callable: registry name or `module:function` (set this or `model`)."""
+    model: Optional[str] = None
+    """A local folder of a transformers sequence-classification model (safetensors
+    weights + tokenizer; nothing is downloaded), run on the trainer's device."""
+    weight: float = 1.0
+    """Weight of this source in the summed reward."""
+    name: Optional[str] = None
+    """Name in the metrics (`reward_<name>_mean`); default: the function or folder name."""
+    batch_size: int = 32
+    """Completions per reward-model forward."""
+    max_length: int = 512
+    """Reward-model input tokens (prompt + completion, truncated)."""
+    label: int = 0
+    """Which logit of the reward model's head is the reward."""
+    with_prompt: bool = True
+    """Score the (prompt text, completion) pair; false: the completion alone."""
+
+
+@dataclass
+class ImportanceConfig:
+    """Importance correction for the rollout/trainer mismatch, per token:
+    ratio = exp(trainer's old logp - rollout engine's logp)."""
+
+    mode: Literal["none", "truncate", "mask"] = "none"
+    """`none`: weight 1 (the ratio is still reported); `truncate`: weight min(ratio, cap)
+    (TIS, Yao et al. 2025); `mask`: weight ratio inside [low, high], tokens outside dropped
+    (masked IS, as IcePop, Ling Team 2025)."""
+    cap: float = 2.0
+    """Truncation cap of the ratio (`truncate`)."""
+    low: float = 0.5
+    """Lower edge of the kept band (`mask`)."""
+    high: float = 2.0
+    """Upper edge of the kept band (`mask`)."""
+
+
+@dataclass
+class PPOConfig:
+    """PPO's critic and advantages (used when algorithm.name is `ppo`)."""
+
+    critic: Literal["value_head", "separate"] = "value_head"
+    """`value_head`: a scalar head on the policy's final hidden states, trained with the
+    policy's optimizer; `separate`: a second model built like the policy (starting from
+    its weights) with a scalar head and its own optimizer."""
+    critic_lr: Optional[float] = None
+    """Learning rate of the separate critic (null: training.lr)."""
+    gamma: float = 1.0
+    """Discount of GAE (Schulman et al. 2016)."""
+    lam: float = 0.95
+    """GAE lambda: 1 = Monte Carlo returns, 0 = one-step TD."""
+    value_clip: float = 0.2
+    """Clip range of the value update around the old values (0 = off)."""
+    value_coef: float = 0.5
+    """Weight of the value loss added to the policy loss (`value_head` only)."""
+    whiten_advantages: bool = True
+    """Normalise the step's token advantages to mean 0, std 1."""
+
+
+@dataclass
 class AlgorithmConfig:
     """The RL objective."""
 
-    name: Literal["grpo"] = "grpo"
-    """Algorithm. `grpo`: group-relative advantages, PPO-clipped ratio."""
+    name: Literal["grpo", "ppo"] = "grpo"
+    """Algorithm. `grpo`: group-relative advantages, PPO-clipped ratio (Shao et al. 2024).
+    `ppo`: a critic and GAE advantages, PPO-clipped ratio (Schulman et al. 2017); see `ppo`."""
     reward: str = "slot_match"
     """Reward callable: a registry name (see loomrl.platform.rewards) or
     `module:function`. Called as fn(completion: str, sample: dict) -> float."""
+    rewards: list[RewardSourceConfig] = field(default_factory=list)
+    """Weighted reward sources (callables and reward models); when given, the reward
+    is their weighted sum and `reward` is not used."""
     clip_eps: float = 0.2
     """PPO clip range of the probability ratio."""
+    clip_eps_low: Optional[float] = None
+    """Lower clip range, ratio >= 1 - clip_eps_low (null: clip_eps)."""
+    clip_eps_high: Optional[float] = None
+    """Upper clip range, ratio <= 1 + clip_eps_high (null: clip_eps); larger than the
+    lower one is DAPO's "clip-higher" (Yu et al. 2025)."""
+    loss_norm: Literal["token", "sequence", "constant"] = "token"
+    """How token losses are averaged: `token` over all tokens of the mini-batch (DAPO),
+    `sequence` per sequence then over sequences (GRPO as published), `constant` sum /
+    (sequences x max_new_tokens), no length bias (Dr. GRPO, Liu et al. 2025)."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to the reference policy (the policy at
-    the start of RL) in the loss; 0 disables it and the reference model."""
+    """Weight of the KL penalty to the reference policy (the policy at the start of
+    RL); 0 disables it and the reference model."""
+    kl_placement: Literal["loss", "reward"] = "loss"
+    """`loss`: k3 KL estimator added to the loss (GRPO); `reward`: kl_coef x (logp_rollout -
+    logp_ref) subtracted from the reward, per token for PPO, summed per sequence for GRPO
+    (InstructGPT, Ouyang et al. 2022)."""
     scale_rewards: bool = True
     """Divide group advantages by the group's reward std (GRPO); false keeps
     only the mean subtraction (Dr. GRPO)."""
     epochs: int = 1
     """Passes over each step's rollouts (PPO epochs)."""
+    importance: ImportanceConfig = field(default_factory=ImportanceConfig)
+    """Rollout/trainer importance correction; its ratio is reported every step."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO's critic and GAE."""
 
 
 # --------------------------------------------------------------------------- training
@@ -271,6 +354,42 @@ class TrainingConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """KnitTrans trajectory pipeline: where rollouts run and how trajectories are admitted."""
+
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    """`colocated`: one process, rollout and training share the model. `disaggregated`:
+    rollout roles and the trainer as separate processes launched with torchrun (gloo on
+    CPU, NCCL on GPU); the trainer sends weights after each optimizer step."""
+    admission: Literal["train_batch", "mini_batch"] = "train_batch"
+    """`train_batch`: wait for a whole train batch (`training.prompts_per_step` complete
+    groups), then train its `training.mini_batches` mini-batches. `mini_batch`: admit each
+    mini-batch as soon as its quotas can be met (whole groups, prompts per mini-batch,
+    token budget, staleness) and train it at once."""
+    max_staleness: int = -1
+    """Most optimizer steps a trajectory may lag the trainer when it is trained; staler
+    groups are dropped (counted, reason `stale`). -1 = no limit."""
+    tokens_per_mini_batch: int = 0
+    """Token budget (prompt + completion) of one mini-batch; admission never exceeds it,
+    a group that alone exceeds it is dropped (reason `over_token_budget`). 0 = no budget."""
+    tokens_per_micro_batch: int = 0
+    """Padded-token budget of one micro-batch in the layout (rows x longest row); 0 = only
+    `training.micro_batch_size` rows per micro-batch."""
+    rollout_workers: int = 2
+    """Rollout processes in disaggregated mode (the trainer is one more process)."""
+    prompts_per_request: int = 1
+    """Prompts a rollout worker generates per request (disaggregated mode)."""
+    on_worker_death: Literal["continue", "stop"] = "stop"
+    """When a rollout worker dies: `continue` with the others (its in-flight prompts are
+    re-queued) or `stop` with a checkpoint and a clear error."""
+    worker_timeout_s: float = 300.0
+    """A rollout worker silent this long with work in flight is declared dead."""
+    prefetch: bool = True
+    """Lay out the next mini-batch's micro-batches in a background thread while the
+    current one trains."""
+
+
+@dataclass
 class LoggingConfig:
     """What a run writes and shows."""
 
@@ -315,6 +434,8 @@ class Recipe:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """KnitTrans trajectory pipeline: colocated or disaggregated roles, admission policy."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     goal: Optional[GoalConfig] = None
@@ -349,6 +470,11 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             raise RecipeError(f"{path}: {value!r} is not allowed; allowed values: "
                               + ", ".join(repr(a) for a in allowed))
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecipeError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        (inner,) = typing.get_args(tp)
+        return [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if value is None:
             value = {}
@@ -420,23 +546,62 @@ def expand_pattern(pattern: str) -> list[str]:
     return sorted(files)
 
 
-def resolve_callable(spec: str) -> Any:
-    """A reward (or other) function from a registry name or `module:function`."""
+def resolve_callable(spec: str, key: str = "algorithm.reward") -> Any:
+    """A reward (or other) function from a registry name or `module:function`; errors name `key`."""
     from loomrl.platform.rewards import REGISTRY
 
     if spec in REGISTRY:
         return REGISTRY[spec]
     if ":" not in spec:
-        raise RecipeError(f"algorithm.reward: {spec!r} is neither a registered reward "
+        raise RecipeError(f"{key}: {spec!r} is neither a registered reward "
                           f"({', '.join(sorted(REGISTRY))}) nor module:function")
     mod, fn = spec.split(":", 1)
     try:
         obj = getattr(importlib.import_module(mod), fn)
     except (ImportError, AttributeError) as e:
-        raise RecipeError(f"algorithm.reward: cannot load {spec!r}: {e}") from None
+        raise RecipeError(f"{key}: cannot load {spec!r}: {e}") from None
     if not callable(obj):
-        raise RecipeError(f"algorithm.reward: {spec!r} is not callable")
+        raise RecipeError(f"{key}: {spec!r} is not callable")
     return obj
+
+
+def validate_algorithm(a: AlgorithmConfig) -> None:
+    """Checks of the algorithm section: clip ranges, KL, PPO, importance band, reward sources."""
+    for key, v in (("clip_eps", a.clip_eps), ("clip_eps_low", a.clip_eps_low), ("clip_eps_high", a.clip_eps_high)):
+        if v is not None and v <= 0:
+            raise RecipeError(f"algorithm.{key}: must be > 0, got {v}")
+    if a.clip_eps_low is not None and a.clip_eps_low >= 1:
+        raise RecipeError(f"algorithm.clip_eps_low: must be < 1 (ratio >= 1 - clip_eps_low), got {a.clip_eps_low}")
+    if a.kl_coef < 0:
+        raise RecipeError(f"algorithm.kl_coef: must be >= 0, got {a.kl_coef}")
+    p = a.ppo
+    for key, v in (("gamma", p.gamma), ("lam", p.lam)):
+        if not 0 <= v <= 1:
+            raise RecipeError(f"algorithm.ppo.{key}: must be in [0, 1], got {v}")
+    if p.value_clip < 0 or p.value_coef < 0:
+        raise RecipeError("algorithm.ppo.value_clip and value_coef: must be >= 0")
+    if p.critic_lr is not None and p.critic_lr <= 0:
+        raise RecipeError(f"algorithm.ppo.critic_lr: must be > 0, got {p.critic_lr}")
+    im = a.importance
+    if im.cap < 1:
+        raise RecipeError(f"algorithm.importance.cap: must be >= 1, got {im.cap}")
+    if not 0 <= im.low <= 1 <= im.high:
+        raise RecipeError(f"algorithm.importance: the band [low, high] must contain 1, got [{im.low}, {im.high}]")
+    names = set()
+    for i, r in enumerate(a.rewards):
+        key = f"algorithm.rewards[{i}]"
+        if (r.fn is None) == (r.model is None):
+            raise RecipeError(f"{key}: set exactly one of fn (a callable) and model (a reward-model folder)")
+        if r.fn is not None:
+            resolve_callable(r.fn, f"{key}.fn")
+        elif not (Path(r.model) / "config.json").is_file():
+            raise RecipeError(f"{key}.model: {r.model!r} is not a local transformers model folder (no config.json)")
+        if r.batch_size <= 0 or r.max_length <= 0:
+            raise RecipeError(f"{key}: batch_size and max_length must be positive")
+        name = r.name or (r.fn.split(":")[-1] if r.fn else Path(r.model).name)
+        if name in names:
+            raise RecipeError(f"{key}: a second source named {name!r}; give each a distinct `name`")
+        names.add(name)
 
 
 def validate(r: Recipe) -> None:
@@ -467,13 +632,22 @@ def validate(r: Recipe) -> None:
                         ("compare_every", d.compare_every, 0)):
         if v < low:
             raise RecipeError(f"rollout.drafter.{key}: must be >= {low}, got {v}")
-    if r.rollout.n < 2:
+    if r.rollout.n < 2 and r.algorithm.name == "grpo":
         raise RecipeError("rollout.n: GRPO needs at least 2 samples per prompt")
     batch = r.training.prompts_per_step * r.rollout.n
     if batch % r.training.mini_batches:
         raise RecipeError(f"training.mini_batches: {batch} trajectories per step do not split "
                           f"into {r.training.mini_batches} mini-batches")
+    pl = r.pipeline
+    for key, v, low in (("max_staleness", pl.max_staleness, -1), ("tokens_per_mini_batch", pl.tokens_per_mini_batch, 0),
+                        ("tokens_per_micro_batch", pl.tokens_per_micro_batch, 0),
+                        ("rollout_workers", pl.rollout_workers, 1), ("prompts_per_request", pl.prompts_per_request, 1)):
+        if v < low:
+            raise RecipeError(f"pipeline.{key}: must be >= {low}, got {v}")
+    if pl.worker_timeout_s <= 0:
+        raise RecipeError(f"pipeline.worker_timeout_s: must be > 0, got {pl.worker_timeout_s}")
     resolve_callable(r.algorithm.reward)
+    validate_algorithm(r.algorithm)
     if r.data.demo is None and not expand_pattern(r.data.shards):
         raise RecipeError(f"data.shards: no files match {r.data.shards!r} (and data.demo is null, "
                           f"so none will be generated)")

@@ -25,7 +25,12 @@ import torch
 from loomrl.datasets.source import PromptSample, PromptSource
 from loomrl.datasets.stream import ShardStream
 from loomrl.platform import recipe as R
-from loomrl.platform.algorithms.grpo import group_advantages, policy_loss
+from loomrl.platform.algorithms.advantages import assign_advantages
+from loomrl.platform.algorithms.critic import Critic, ValueHead, build_critic
+from loomrl.platform.algorithms.grpo import policy_loss
+from loomrl.platform.algorithms.importance import importance_weights
+from loomrl.platform.algorithms.ppo import value_loss
+from loomrl.platform.rewards.sources import build_sources, score as score_rewards
 from loomrl.platform.backbone.tokenizer import load_tokenizer
 from loomrl.platform import faults
 from loomrl.platform.backbone.vlm import VLM, build_policy
@@ -112,18 +117,45 @@ def run_warmup(recipe: R.Recipe, model: VLM, tokenizer, source: PromptSource, lo
 # --------------------------------------------------------------------------- RL
 
 
-def grpo_loss_fn(recipe: R.Recipe, shared=None):
-    """The GRPO micro-batch loss. shared: a loomrl.encoders.cache.SharedEncodings whose
-    encodings of the current mini-batch every micro-batch uses (None: encode per micro-batch)."""
-    a, temperature = recipe.algorithm, recipe.rollout.temperature
+@dataclass
+class CriticParts:
+    """PPO's value model: a `head` on the policy's hidden states (trained by the policy's
+    engine), or a separate `model` with its own `engine`."""
+    head: Optional[ValueHead] = None
+    model: Optional[Critic] = None
+    engine: Optional[TorchTrainEngine] = None
+
+
+def grpo_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead] = None):
+    """The policy's micro-batch loss (GRPO or PPO). shared: a loomrl.encoders.cache.SharedEncodings
+    whose encodings of the current mini-batch every micro-batch uses (None: encode per micro-batch).
+    value_head: PPO's head on the policy; its value loss is added. The largest importance ratio
+    seen is kept in loss_fn.maxima (the engine sums stats)."""
+    a, temperature, im = recipe.algorithm, recipe.rollout.temperature, recipe.algorithm.importance
+    low = a.clip_eps if a.clip_eps_low is None else a.clip_eps_low
+    high = a.clip_eps if a.clip_eps_high is None else a.clip_eps_high
+    kl_coef = a.kl_coef if a.kl_placement == "loss" else 0.0
+    maxima = {"is_ratio_max": 0.0}
 
     def loss_fn(model: VLM, mb: MicroBatch):
         encodings = shared.encodings if shared is not None else None
-        logp, entropy = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature,
-                                                encodings)
+        out = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature, encodings,
+                                      return_hidden=value_head is not None)
+        logp, entropy = out[0], out[1]
         old = mb.old_logp if mb.old_logp is not None else logp.detach()
-        loss, stats = policy_loss(logp, old, mb.advantages, mb.loss_mask, a.clip_eps, mb.normaliser,
-                                  mb.ref_logp, a.kl_coef)
+        # pi_old under the trainer vs the rollout engine that sampled the tokens
+        weights, is_stats = importance_weights(old, mb.rollout_logp, mb.loss_mask, im.mode, im.cap, im.low, im.high)
+        maxima["is_ratio_max"] = max(maxima["is_ratio_max"], is_stats.pop("is_ratio_max"))
+        normaliser = {"token": mb.normaliser, "sequence": mb.sequences,
+                      "constant": mb.sequences * recipe.rollout.max_new_tokens}[a.loss_norm]
+        loss, stats = policy_loss(logp, old, mb.advantages, mb.loss_mask, low, normaliser, mb.ref_logp, kl_coef,
+                                  high, None if im.mode == "none" else weights, a.loss_norm)
+        stats.update(is_stats)
+        if value_head is not None:
+            vloss, vstats = value_loss(value_head(out[2]), mb.values, mb.returns, mb.loss_mask,
+                                       a.ppo.value_clip, mb.normaliser)
+            loss = loss + a.ppo.value_coef * vloss
+            stats.update(vstats)
         m = mb.loss_mask
         stats["entropy_sum"] = float((entropy.detach() * m).sum())
         # rollout-vs-trainer mismatch of the same tokens under the same weights
@@ -131,23 +163,48 @@ def grpo_loss_fn(recipe: R.Recipe, shared=None):
         stats["tokens"] = float(m.sum())
         return loss, stats
 
+    loss_fn.maxima = maxima
+    return loss_fn
+
+
+def critic_loss_fn(recipe: R.Recipe):
+    """The separate critic's micro-batch loss: the clipped value loss."""
+    clip = recipe.algorithm.ppo.value_clip
+
+    def loss_fn(critic: Critic, mb: MicroBatch):
+        return value_loss(critic(mb), mb.values, mb.returns, mb.loss_mask, clip, mb.normaliser)
+
     return loss_fn
 
 
 @torch.no_grad()
-def fill_logprobs(model: VLM, mbs: list[MicroBatch], temperature: float, attr: str) -> None:
+def fill_logprobs(model: VLM, mbs: list[MicroBatch], temperature: float, attr: Optional[str],
+                  value_head: Optional[ValueHead] = None) -> None:
+    """Set mb.<attr> to the model's log-probs; with value_head also mb.values from the same
+    forward (attr None: only the values)."""
     model.eval()
     encodings = None
     if model.cfg.encoders.dedup:  # every distinct medium of the step once (cached if the rollout did it)
         encodings = model.encode_media([m for mb in mbs for row in mb.media for m in row])
     for mb in mbs:
-        logp, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature, encodings)
-        setattr(mb, attr, logp)
+        out = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature, encodings,
+                                      return_hidden=value_head is not None)
+        if attr is not None:
+            setattr(mb, attr, out[0])
+        if value_head is not None:
+            mb.values = value_head(out[2])
+
+
+@torch.no_grad()
+def fill_critic_values(critic: Critic, mbs: list[MicroBatch]) -> None:
+    critic.eval()
+    for mb in mbs:
+        mb.values = critic(mb)
 
 
 def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], tokenizer,
             source: PromptSource, rollout: TorchRolloutEngine, engine: TorchTrainEngine,
-            reward_fn, generator: torch.Generator) -> dict:
+            reward_fn, generator: torch.Generator, critic: Optional[CriticParts] = None) -> dict:
     t_step = time.perf_counter()
     samples = source.next(recipe.training.prompts_per_step)
     faults.maybe_die("rollout")
@@ -175,17 +232,15 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     for r in result.rollouts:  # NgramRL: finished rollouts feed their prompt's draft history
         rollout.observe(samples[r.prompt_index].id, r.completion_ids)
 
+    # reward_fn: the run's reward sources (loomrl.platform.rewards.sources), batched per source
+    texts = [tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in result.rollouts]
+    totals_r, by_source = score_rewards(reward_fn, texts, [samples[r.prompt_index].record for r in result.rollouts])
     trajs: list[Trajectory] = []
-    for r in result.rollouts:
+    for r, reward in zip(result.rollouts, totals_r):
         s = samples[r.prompt_index]
-        text = tokenizer.decode(r.completion_ids, skip_special_tokens=True)
-        reward = float(reward_fn(text, s.record))
         trajs.append(Trajectory(s.id, r.prompt_index, s.ids, r.completion_ids, s.media,
-                                r.logprobs, reward, rollout.version))
+                                r.logprobs, float(reward), rollout.version))
     rewards = torch.tensor([t.reward for t in trajs])
-    adv = group_advantages(rewards, ro.n, recipe.algorithm.scale_rewards)
-    for t, a in zip(trajs, adv.tolist()):
-        t.advantage = a
 
     t_train = time.perf_counter()
     a, tr = recipe.algorithm, recipe.training
@@ -195,17 +250,24 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     # model.encoders.dedup: each mini-batch's distinct media are encoded once and shared by
     # its micro-batches, one encoder backward per mini-batch; off: every copy, every micro-batch.
     shared = SharedEncodings(model) if model.cfg.encoders.dedup else None
-    loss_fn = grpo_loss_fn(recipe, shared)
     mini_batches = split(trajs, len(trajs) // tr.mini_batches)
     layouts = []
     for mini in mini_batches:
         layouts.append(micro_batches(mini, model.pad_token_id, tr.micro_batch_size))
     all_mbs = [mb for mbs in layouts for mb in mbs]
+    head = critic.head if critic is not None else None
     if a.epochs * tr.mini_batches > 1:  # the policy moves before some tokens are trained on
-        fill_logprobs(model, all_mbs, ro.temperature, "old_logp")
+        fill_logprobs(model, all_mbs, ro.temperature, "old_logp", head)
+    elif head is not None:
+        fill_logprobs(model, all_mbs, ro.temperature, None, head)
+    if critic is not None and critic.model is not None:
+        fill_critic_values(critic.model, all_mbs)
     if ref_model is not None:
         fill_logprobs(ref_model, all_mbs, ro.temperature, "ref_logp")
+    adv_stats = assign_advantages(a, ro.n, rewards, trajs, all_mbs)
+    loss_fn = grpo_loss_fn(recipe, shared, head)
     totals: dict[str, float] = {}
+    critic_totals: dict[str, float] = {}
     updates = 0
     for _ in range(a.epochs):
         for mbs in layouts:
@@ -213,6 +275,9 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
             updates += 1
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
+            if critic is not None and critic.model is not None:
+                for k, v in critic.engine.train_mini_batch(mbs, critic_loss_fn(recipe)).items():
+                    critic_totals[k] = critic_totals.get(k, 0.0) + v
     trainer_version = rollout.version  # the version these updates were applied to
     rollout.update_weights(None, rollout.version + 1)  # colocated: shared module, new version
     train_s = time.perf_counter() - t_train
@@ -250,6 +315,19 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     }
     if "kl_sum" in totals:
         row["kl"] = totals["kl_sum"] / tokens
+    # importance correction: is the run on-policy? (ratio = pi_old under the trainer / pi_rollout)
+    row.update({"is_ratio_mean": totals["is_ratio_sum"] / tokens, "is_ratio_max": loss_fn.maxima["is_ratio_max"],
+                "is_clipped_frac": totals["is_clipped"] / tokens, "is_masked_frac": totals["is_masked"] / tokens})
+    if len(by_source) > 1 or recipe.algorithm.rewards:
+        row.update({f"reward_{name}_mean": sum(v) / len(v) for name, v in by_source.items()})
+    row.update(adv_stats)
+    if "value_loss_sum" in totals:  # value head: its loss is part of the policy's
+        row.update({"value_loss": totals["value_loss_sum"] / tokens,
+                    "value_clip_frac": totals["value_clipped_tokens"] / tokens})
+    if critic_totals:
+        row.update({"value_loss": critic_totals["value_loss_sum"] / tokens,
+                    "value_clip_frac": critic_totals["value_clipped_tokens"] / tokens,
+                    "critic_grad_norm": critic_totals["grad_norm"] / updates})
     if rollout.drafter is not None:
         ds = rollout.last_stats
         row.update({
@@ -288,7 +366,8 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
     model = build_policy(recipe.model, tokenizer, recipe.training.seed)
     stream = ShardStream(files, shuffle_buffer=recipe.data.shuffle_buffer, seed=recipe.data.seed)
     source = PromptSource(stream, model, tokenizer, recipe.model)
-    reward_fn = R.resolve_callable(recipe.algorithm.reward)
+    # reward models run on the trainer's device
+    reward_fn = build_sources(recipe.algorithm, next(model.parameters()).device)
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipe.yaml").write_text(R.dump(recipe))
     n_params = sum(p.numel() for p in model.parameters())
@@ -312,7 +391,19 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
     if recipe.algorithm.kl_coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     rollout = TorchRolloutEngine(model, recipe.rollout.drafter)
-    engine = TorchTrainEngine(model, recipe.training)
+    critic, extra_models = None, {}
+    if recipe.algorithm.name == "ppo":
+        ppo = recipe.algorithm.ppo
+        if ppo.critic == "value_head":  # trained with the policy, by the policy's optimizer
+            critic = CriticParts(head=ValueHead(recipe.model.hidden_size))
+            extra_models["value_head"] = critic.head
+        else:
+            body = build_critic(model, lambda: build_policy(recipe.model, tokenizer, recipe.training.seed))
+            critic = CriticParts(model=body, engine=TorchTrainEngine(body, recipe.training, lr=ppo.critic_lr))
+            extra_models["critic"] = critic.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine = TorchTrainEngine(model, recipe.training,
+                              params=params + (list(critic.head.parameters()) if critic and critic.head else []))
     generator = torch.Generator().manual_seed(recipe.training.seed)
     counters = {"generated": 0, "trained": 0, "dropped": 0}
     rows: list[dict] = []
@@ -327,6 +418,10 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
         counters = ckpt_state["trajectories"]
         if ref_model is not None:
             load_extra_model(resume_from, "ref_model", ref_model)
+        for name, m in extra_models.items():
+            load_extra_model(resume_from, name, m)
+        if critic is not None and critic.engine is not None:
+            critic.engine.load_state_dict(engine_state["critic"])
         # the steps after the checkpoint will be run again: drop their rows
         if (out / "metrics.jsonl").exists():
             rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] < ckpt_state["step"]]
@@ -344,14 +439,16 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
     from tqdm import tqdm
 
     end = recipe.training.steps if max_steps is None else min(max_steps, recipe.training.steps)
-    bar = tqdm(range(start, end), desc="GRPO", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(range(start, end), desc=recipe.algorithm.name.upper(), disable=not progress, dynamic_ncols=True)
     ck = recipe.checkpoint
 
     def checkpoint(step: int) -> Path:
         state = {"step": step, "data": source.state(), "rollout": rollout.state_dict(),
                  "trajectories": counters, "recipe": R.to_dict(recipe)}
         engine_state = dict(engine.state_dict(), generator=generator.get_state(), torch_rng=torch.get_rng_state())
-        extra = {"ref_model": ref_model} if ref_model is not None else None
+        if critic is not None and critic.engine is not None:
+            engine_state["critic"] = critic.engine.state_dict()
+        extra = dict(extra_models, **({"ref_model": ref_model} if ref_model is not None else {})) or None
         return save_checkpoint(out / "checkpoints", step, model, engine_state, state, ck.keep_last, extra)
 
     path = None
@@ -361,7 +458,7 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
             for step in bar:
                 faults.current_step = step
                 row = rl_step(step, recipe, model, ref_model, tokenizer, source, rollout, engine, reward_fn,
-                              generator)
+                              generator, critic)
                 counters["generated"] += row["trajectories"]
                 counters["trained"] += row["trajectories"]  # synchronous: all of a step's rollouts train
                 row.update({f"trajectories_{k}": v for k, v in counters.items()})

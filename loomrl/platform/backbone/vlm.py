@@ -198,13 +198,22 @@ class VLM(nn.Module):
 
     def sequence_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           row_media: list[list[Medium]], temperature: float = 1.0,
-                          encodings: MediaEncodings | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          encodings: MediaEncodings | None = None, return_hidden: bool = False):
         """Per-token log-probs of input_ids[:, 1:] under logits / temperature, and the
         entropy of that distribution; both [B, T-1]. Without `encodings` the media of
-        these rows are encoded here (deduplicated unless model.encoders.dedup is off)."""
+        these rows are encoded here (deduplicated unless model.encoders.dedup is off).
+        return_hidden: also return the final (normed) hidden states [B, T, H], the input
+        of the LM head, for a value head."""
         if encodings is None:
             encodings, _ = self.encode([m for row in row_media for m in row], self.cfg.encoders.dedup)
-        logits, _ = self.forward_embeds(self.embed(input_ids, row_media, encodings), attention_mask)
+        hidden: list[torch.Tensor] = []
+        hook = (self.language_model.lm_head.register_forward_pre_hook(lambda m, args: hidden.append(args[0]))
+                if return_hidden else None)
+        try:
+            logits, _ = self.forward_embeds(self.embed(input_ids, row_media, encodings), attention_mask)
+        finally:
+            if hook is not None:
+                hook.remove()
         logp_all = self.token_logprobs(logits[:, :-1], temperature)
         targets = input_ids[:, 1:]
         logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
@@ -212,6 +221,8 @@ class VLM(nn.Module):
         # trained on; give them 0 instead of -inf so masked sums stay finite.
         logp = logp.masked_fill(torch.isin(targets, self.banned_token_ids), 0.0)
         entropy = -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)
+        if return_hidden:
+            return logp, entropy, hidden[-1]
         return logp, entropy
 
     def token_logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:

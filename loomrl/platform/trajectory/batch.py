@@ -29,11 +29,14 @@ class MicroBatch:
     attention_mask: torch.Tensor    # [B, T]
     loss_mask: torch.Tensor         # [B, T-1] 1 where position t predicts a completion token
     media: list[list[Medium]]
-    advantages: torch.Tensor        # [B]
+    advantages: torch.Tensor        # [B] per sequence (GRPO), or [B, T-1] per token (PPO)
     rollout_logp: torch.Tensor      # [B, T-1] aligned with loss_mask
     old_logp: Optional[torch.Tensor] = None
     ref_logp: Optional[torch.Tensor] = None
     normaliser: float = 1.0         # loss divisor: completion tokens of the whole mini-batch
+    sequences: int = 1              # sequences of the whole mini-batch (sequence-level loss divisor)
+    values: Optional[torch.Tensor] = None   # [B, T-1] critic values before the update (PPO)
+    returns: Optional[torch.Tensor] = None  # [B, T-1] GAE value targets (PPO)
     trajectories: list[Trajectory] = field(default_factory=list)
 
 
@@ -66,4 +69,5 @@ def micro_batches(trajs: list[Trajectory], pad_id: int, micro_batch_size: int) -
     total = float(sum(mb.loss_mask.sum() for mb in mbs))
     for mb in mbs:
         mb.normaliser = total
+        mb.sequences = len(trajs)
     return mbs

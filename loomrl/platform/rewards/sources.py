@@ -1,0 +1,50 @@
+"""A run's reward: a weighted sum of sources, each a plain callable (scored per
+completion) or a learned reward model (scored in batches). Each source's scores are
+kept so the runner can report its mean every step."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from loomrl.platform.rewards.models import RewardModel
+
+
+@dataclass
+class Source:
+    name: str
+    weight: float
+    fn: Optional[Callable[[str, dict], float]] = None
+    model: Optional[RewardModel] = None
+
+    def score(self, completions: list[str], samples: list[dict]) -> list[float]:
+        if self.model is not None:
+            return self.model.score(completions, samples)
+        return [float(self.fn(c, s)) for c, s in zip(completions, samples)]
+
+
+def build_sources(algorithm, device: torch.device | str = "cpu") -> list[Source]:
+    """Sources of a recipe's `algorithm` section: `rewards` if given, else `reward` alone."""
+    from loomrl.platform.recipe import resolve_callable
+
+    if not algorithm.rewards:
+        return [Source(algorithm.reward.split(":")[-1], 1.0, fn=resolve_callable(algorithm.reward))]
+    sources = []
+    for i, r in enumerate(algorithm.rewards):
+        if r.model is not None:
+            model = RewardModel(r.model, device, r.batch_size, r.max_length, r.label, r.with_prompt)
+            sources.append(Source(r.name or os.path.basename(os.path.normpath(r.model)), r.weight, model=model))
+        else:
+            fn = resolve_callable(r.fn, f"algorithm.rewards[{i}].fn")
+            sources.append(Source(r.name or r.fn.split(":")[-1], r.weight, fn=fn))
+    return sources
+
+
+def score(sources: list[Source], completions: list[str], samples: list[dict]
+          ) -> tuple[list[float], dict[str, list[float]]]:
+    """The weighted total per completion, and each source's own scores by name."""
+    by_source = {s.name: s.score(completions, samples) for s in sources}
+    total = [sum(s.weight * by_source[s.name][i] for s in sources) for i in range(len(completions))]
+    return total, by_source
