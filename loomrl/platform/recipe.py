@@ -85,6 +85,22 @@ class EncoderConfig:
 
 
 @dataclass
+class RoundingConfig:
+    """Rounding location per backbone region (loomrl/platform/backbone/rounding.py). `aligned`:
+    FP32 inside the region, one rounding to the working dtype (BF16) at its output, as vLLM's
+    fused kernels do; `native`: round where transformers' Qwen2 does. FP32 models compute the
+    same numbers either way; `loomrl doctor` measures what each choice does in BF16."""
+
+    rope: Literal["native", "aligned"] = "aligned"
+    """RoPE: native rounds cos/sin, x*cos, rotate_half(x)*sin and their sum; aligned rounds the sum once."""
+    swiglu: Literal["native", "aligned"] = "aligned"
+    """SwiGLU: native rounds silu(gate) and then silu(gate)*up; aligned rounds the product once."""
+    rmsnorm: Literal["native", "aligned"] = "aligned"
+    """Residual add + RMSNorm: native rounds the sum, the normalised value and its product with
+    the weight; aligned rounds the sum (new residual stream) and the output once each."""
+
+
+@dataclass
 class ModelConfig:
     """A Qwen-VL-style model: vision + audio towers, projectors, Qwen2 decoder."""
 
@@ -115,6 +131,8 @@ class ModelConfig:
     """The audio tower."""
     encoders: EncoderConfig = field(default_factory=EncoderConfig)
     """Encoder execution and the content-hashed encoding cache."""
+    rounding: RoundingConfig = field(default_factory=RoundingConfig)
+    """Where the language backbone rounds to its working dtype, per region."""
 
 
 # --------------------------------------------------------------------------- data
@@ -397,6 +415,10 @@ class LoggingConfig:
     """Write TensorBoard event files into the run directory."""
     progress: bool = True
     """Show a progress bar with the live reward."""
+    mismatch_every: int = 0
+    """Every N RL steps, recompute the step's log-probs with a BF16 copy of the policy under each
+    rounding setting (as `loomrl doctor` does) and log the mismatch to the rollout log-probs as
+    `mismatch_<setting>_{mean,max,kl}` (0 = off)."""
 
 
 @dataclass
@@ -619,6 +641,8 @@ def validate(r: Recipe) -> None:
             raise RecipeError(f"{key}: must be positive, got {v}")
     if r.training.steps < 0:
         raise RecipeError(f"training.steps: must be >= 0, got {r.training.steps}")
+    if r.logging.mismatch_every < 0:
+        raise RecipeError(f"logging.mismatch_every: must be >= 0, got {r.logging.mismatch_every}")
     if r.rollout.temperature <= 0:
         raise RecipeError("rollout.temperature: must be > 0 (log-probs are of logits / temperature)")
     if not 0 < r.rollout.top_p <= 1:

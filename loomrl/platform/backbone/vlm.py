@@ -23,6 +23,7 @@ from loomrl.encoders.cache import EncodeStats, EncodingCache, Encodings, encode_
 from loomrl.encoders.media import Medium, settings_fingerprint
 from loomrl.encoders.vision import build_vision_tower, encode_images, num_image_tokens
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, KVCache
+from loomrl.platform.backbone.rounding import Regions
 from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER
 from loomrl.platform.recipe import ModelConfig
 
@@ -57,7 +58,8 @@ class VLM(nn.Module):
             vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             intermediate_size=cfg.intermediate_size, rope_theta=cfg.rope_theta,
-            rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings))
+            rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+            rounding=Regions(cfg.rounding.rope, cfg.rounding.swiglu, cfg.rounding.rmsnorm)))
         for m in [self.audio_projector, *self.language_model.modules()]:
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=cfg.init_std)
