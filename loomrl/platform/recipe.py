@@ -659,9 +659,10 @@ def validate(r: Recipe) -> None:
     if r.rollout.n < 2 and r.algorithm.name == "grpo":
         raise RecipeError("rollout.n: GRPO needs at least 2 samples per prompt")
     batch = r.training.prompts_per_step * r.rollout.n
-    if batch % r.training.mini_batches:
-        raise RecipeError(f"training.mini_batches: {batch} trajectories per step do not split "
-                          f"into {r.training.mini_batches} mini-batches")
+    if r.training.prompts_per_step % r.training.mini_batches:  # a GRPO group is never split
+        raise RecipeError(f"training.mini_batches: {r.training.prompts_per_step} prompts per step "
+                          f"({batch} trajectories) do not split into {r.training.mini_batches} "
+                          f"mini-batches of whole groups")
     pl = r.pipeline
     for key, v, low in (("max_staleness", pl.max_staleness, -1), ("tokens_per_mini_batch", pl.tokens_per_mini_batch, 0),
                         ("tokens_per_micro_batch", pl.tokens_per_micro_batch, 0),

@@ -39,7 +39,10 @@ from loomrl.platform.engines.torch_engine import TorchTrainEngine
 from loomrl.platform.metrics import MetricsLog, read_metrics
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
+from loomrl.platform.trajectory.admission import admit_step
 from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, micro_batches, split
+from loomrl.platform.trajectory.layout import layout
+from loomrl.platform.trajectory.store import TrajectoryStore
 
 
 @dataclass
@@ -204,7 +207,8 @@ def fill_critic_values(critic: Critic, mbs: list[MicroBatch]) -> None:
 
 def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], tokenizer,
             source: PromptSource, rollout: TorchRolloutEngine, engine: TorchTrainEngine,
-            reward_fn, generator: torch.Generator, critic: Optional[CriticParts] = None) -> dict:
+            reward_fn, generator: torch.Generator, critic: Optional[CriticParts] = None,
+            store: Optional[TrajectoryStore] = None) -> dict:
     t_step = time.perf_counter()
     samples = source.next(recipe.training.prompts_per_step)
     faults.maybe_die("rollout")
@@ -250,10 +254,12 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     # model.encoders.dedup: each mini-batch's distinct media are encoded once and shared by
     # its micro-batches, one encoder backward per mini-batch; off: every copy, every micro-batch.
     shared = SharedEncodings(model) if model.cfg.encoders.dedup else None
-    mini_batches = split(trajs, len(trajs) // tr.mini_batches)
-    layouts = []
-    for mini in mini_batches:
-        layouts.append(micro_batches(mini, model.pad_token_id, tr.micro_batch_size))
+    # KnitTrans: the step's groups go through the trajectory store and admission; all are
+    # ready at once here, so both policies admit the same mini-batches in the same order.
+    store = store if store is not None else TrajectoryStore(ro.n)
+    admitted = admit_step(store, recipe, trajs, step)
+    layouts = [layout([t for g in groups for t in g.trajectories], model.pad_token_id, tr.micro_batch_size,
+                      recipe.pipeline.tokens_per_micro_batch) for groups in admitted]
     all_mbs = [mb for mbs in layouts for mb in mbs]
     head = critic.head if critic is not None else None
     if a.epochs * tr.mini_batches > 1:  # the policy moves before some tokens are trained on
@@ -282,13 +288,18 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     rollout.update_weights(None, rollout.version + 1)  # colocated: shared module, new version
     train_s = time.perf_counter() - t_train
     enc = model.encode_totals.since(enc_before)  # the trainer's encoder work this step
-    staleness = [trainer_version - t.version for t in trajs]
+    # optimizer steps the policy took between generating a trajectory and training on it
+    staleness = [k + trainer_version - t.version for k, groups in enumerate(admitted)
+                 for g in groups for t in g.trajectories]
+    for groups in admitted:
+        store.mark_trained(groups)
 
     tokens = max(1.0, totals["tokens"])
     media = [m.hash for s in samples for m in s.media]
     row = {
         "step": step,
         "trajectories": len(trajs),
+        "trajectories_admitted": len(staleness),
         # which prompts this step trained on, so resumed and uninterrupted runs can be compared
         "prompt_digest": hashlib.sha1(" ".join(s.id for s in samples).encode()).hexdigest()[:16],
         "reward_mean": float(rewards.mean()),
@@ -430,6 +441,7 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
         tmp.replace(out / "metrics.jsonl")
         print(f"[run] resumed from {resume_from} at RL step {ckpt_state['step']}", flush=True)
     start = len(rows)
+    store, base = TrajectoryStore(recipe.rollout.n), dict(counters)
     # The drafter allocates many small containers per step, which triggers full garbage
     # collections; each would walk every object the imports and the model created (~0.2 s
     # pauses). Freeze those: they live for the whole run.
@@ -458,9 +470,9 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
             for step in bar:
                 faults.current_step = step
                 row = rl_step(step, recipe, model, ref_model, tokenizer, source, rollout, engine, reward_fn,
-                              generator, critic)
-                counters["generated"] += row["trajectories"]
-                counters["trained"] += row["trajectories"]  # synchronous: all of a step's rollouts train
+                              generator, critic, store)
+                acc = store.accounting()  # this process's store on top of the checkpoint's counts
+                counters = {k: base[k] + acc[k] for k in ("generated", "trained", "dropped")}
                 row.update({f"trajectories_{k}": v for k, v in counters.items()})
                 rows.append(row)
                 log.log(row)

@@ -1,0 +1,99 @@
+"""On-demand micro-batch layout: an admitted mini-batch laid out the way its
+micro-batches will be consumed.
+
+- Packing: trajectories keep their admitted order (so a layout with no token
+  budget is exactly `batch.micro_batches`); a micro-batch closes when it holds
+  `micro_batch_size` rows or one more row would push its padded size (rows x
+  longest row) past `tokens_per_micro_batch`. A row longer than the budget on
+  its own gets a micro-batch to itself (a sequence is never cut).
+- Media: every distinct medium (content hash + preprocessing) is moved once per
+  mini-batch; `media_transfer` counts bytes with and without that dedup.
+- Prefetch: `Prefetcher` builds the next mini-batch's micro-batches in a
+  background thread while the current one trains (collation is plain tensor
+  work that releases the GIL for the copies).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional
+
+from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, collate
+
+
+def plan(lengths: list[int], micro_batch_size: int, tokens_per_micro_batch: int = 0) -> list[list[int]]:
+    """Indices of each micro-batch, in order, from the rows' sequence lengths."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    width = 0
+    for i, n in enumerate(lengths):
+        w = max(width, n)
+        too_wide = tokens_per_micro_batch and cur and w * (len(cur) + 1) > tokens_per_micro_batch
+        if cur and (len(cur) == micro_batch_size or too_wide):
+            out.append(cur)
+            cur, w = [], n
+        cur.append(i)
+        width = w
+    if cur:
+        out.append(cur)
+    return out
+
+
+def layout(trajs: list[Trajectory], pad_id: int, micro_batch_size: int,
+           tokens_per_micro_batch: int = 0) -> list[MicroBatch]:
+    """One mini-batch as its micro-batches; each loss is normalised by the mini-batch's
+    completion tokens, so the accumulated micro-batch losses are the mini-batch loss."""
+    lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
+    mbs = [collate([trajs[i] for i in idx], pad_id) for idx in plan(lengths, micro_batch_size,
+                                                                     tokens_per_micro_batch)]
+    total = float(sum(mb.loss_mask.sum() for mb in mbs))
+    for mb in mbs:
+        mb.normaliser = total
+        if hasattr(mb, "sequences"):
+            mb.sequences = len(trajs)
+    return mbs
+
+
+@dataclass
+class MediaTransfer:
+    total: int = 0          # media placements (one per trajectory that uses a medium)
+    unique: int = 0         # distinct media
+    bytes_naive: int = 0    # every placement moved
+    bytes_dedup: int = 0    # each distinct medium moved once
+
+
+def media_transfer(trajs: list[Trajectory]) -> MediaTransfer:
+    seen: dict = {}
+    naive = 0
+    for t in trajs:
+        for m in t.media:
+            naive += m.nbytes
+            seen.setdefault(m.key, m.nbytes)
+    return MediaTransfer(sum(len(t.media) for t in trajs), len(seen), naive, sum(seen.values()))
+
+
+class Prefetcher:
+    """Lays out the next mini-batch in a background thread while the current one trains."""
+
+    def __init__(self, pad_id: int, micro_batch_size: int, tokens_per_micro_batch: int = 0,
+                 enabled: bool = True):
+        self.args = (pad_id, micro_batch_size, tokens_per_micro_batch)
+        self._pool = ThreadPoolExecutor(1) if enabled else None
+        self._next: Optional[Future] = None
+
+    def submit(self, trajs: list[Trajectory]) -> None:
+        if self._pool is not None:
+            self._next = self._pool.submit(layout, trajs, *self.args)
+        else:
+            self._next = Future()
+            self._next.set_result(layout(trajs, *self.args))
+
+    def get(self) -> list[MicroBatch]:
+        assert self._next is not None, "Prefetcher.get() before submit()"
+        mbs, self._next = self._next.result(), None
+        return mbs
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
