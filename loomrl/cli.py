@@ -103,6 +103,7 @@ def cmd_recipe(args) -> int:
 GROUPS = {
     "shards": ("loomrl.datasets.cli", "prepare, verify and inspect webdataset shards"),
     "bench": ("loomrl.bench", "benchmarks: drafter, encoders (ratios measured side by side)"),
+    "doctor": ("loomrl.platform.doctor", "measure the rollout/trainer log-prob mismatch per rounding setting"),
 }
 
 

@@ -1,0 +1,232 @@
+"""`loomrl doctor`: measure the rollout/trainer log-prob mismatch instead of trusting it.
+
+A rollout engine generates completions and reports the log-prob of every
+sampled token. The trainer then recomputes those log-probs with its own
+forward on a BF16 copy of the same weights, once per rounding setting:
+all regions native, each region (rope, swiglu, rmsnorm) aligned alone, all
+aligned. Per setting it reports, over every completion token:
+
+- mean and max |trainer logp - rollout logp|;
+- the token-level KL(rollout || trainer), estimated on the sampled tokens with
+  the non-negative k3 estimator  E[r - 1 - log r],  r = p_trainer / p_rollout.
+
+Engines are a small table, `ENGINES`: a name -> a function
+`fn(model, prompts, params, generator) -> list[Rollout]` that samples from the
+(FP32) policy `model` and returns completions with the engine's own log-probs.
+`register_engine("vllm", fn)` adds one.
+
+    torch         the built-in engine (KV-cached incremental decoding) on a BF16
+                  copy of the policy, every region aligned: how an inference
+                  engine with fused kernels rounds.
+    transformers  the same tokens, scored by transformers' Qwen2ForCausalLM
+                  (the policy's language model exported to a BF16 HF folder, the
+                  media embeddings spliced in): the transformers reference.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from loomrl.platform.backbone.rounding import SETTINGS, Regions
+from loomrl.platform.rollout.base import Prompt, Rollout, SamplingParams
+from loomrl.platform.trajectory.batch import Trajectory, micro_batches
+
+DTYPE = torch.bfloat16
+MICRO_BATCH = 16
+
+EngineFn = Callable[..., list[Rollout]]
+
+
+def low_precision_copy(model, regions: Regions, dtype: torch.dtype = DTYPE):
+    """An eval-mode copy of the policy in `dtype` whose backbone rounds as `regions` say."""
+    m = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+    m.language_model.cfg.rounding = regions  # the copy's own config object, shared by its layers
+    m.encoding_cache.clear()
+    return m
+
+
+def trajectories(prompts: list[Prompt], rollouts: list[Rollout]) -> list[Trajectory]:
+    return [Trajectory(prompts[r.prompt_index].id, r.prompt_index, prompts[r.prompt_index].ids,
+                       r.completion_ids, prompts[r.prompt_index].media, r.logprobs, 0.0, 0)
+            for r in rollouts]
+
+
+def _completion_logprobs(logp: torch.Tensor, mb) -> list[list[float]]:
+    """Per row, the log-probs at the completion positions (loss_mask), in order."""
+    return [logp[i][mb.loss_mask[i].bool()].tolist() for i in range(logp.shape[0])]
+
+
+@torch.no_grad()
+def trainer_logprobs(policy, trajs: list[Trajectory], temperature: float) -> list[list[float]]:
+    """The trainer's log-probs of each trajectory's completion: one full-sequence forward per
+    micro-batch, exactly the trainer's `sequence_logprobs`."""
+    out: list[list[float]] = []
+    for mb in micro_batches(trajs, policy.pad_token_id, MICRO_BATCH):
+        logp, _ = policy.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature)
+        out.extend(_completion_logprobs(logp, mb))
+    return out
+
+
+def mismatch(rollout: list[list[float]], trainer: list[list[float]]) -> dict:
+    """mean / max |dlogp| and the k3 estimate of KL(rollout || trainer) over all tokens."""
+    a = torch.tensor([x for row in rollout for x in row], dtype=torch.float64)
+    b = torch.tensor([x for row in trainer for x in row], dtype=torch.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"{a.numel()} rollout log-probs but {b.numel()} trainer log-probs")
+    if a.numel() == 0:
+        return {"mean_abs_dlogp": 0.0, "max_abs_dlogp": 0.0, "kl": 0.0}
+    d = b - a  # log r, r = p_trainer / p_rollout
+    return {"mean_abs_dlogp": float(d.abs().mean()), "max_abs_dlogp": float(d.abs().max()),
+            "kl": float((d.exp() - 1 - d).mean())}
+
+
+def measure(model, trajs: list[Trajectory], temperature: float,
+            settings: dict[str, Regions] = SETTINGS, dtype: torch.dtype = DTYPE) -> dict[str, dict]:
+    """Mismatch between the trajectories' rollout log-probs and the trainer's forward on a
+    `dtype` copy of `model`, per rounding setting."""
+    rollout = [t.rollout_logprobs for t in trajs]
+    return {name: mismatch(rollout, trainer_logprobs(low_precision_copy(model, regions, dtype), trajs, temperature))
+            for name, regions in settings.items()}
+
+
+def mismatch_metrics(model, trajs: list[Trajectory], temperature: float) -> dict[str, float]:
+    """`measure` flattened for a metrics row: mismatch_<setting>_{mean,max,kl}."""
+    short = {"mean_abs_dlogp": "mean", "max_abs_dlogp": "max", "kl": "kl"}
+    return {f"mismatch_{name}_{short[k]}": v
+            for name, row in measure(model, trajs, temperature).items() for k, v in row.items()}
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def torch_engine(model, prompts: list[Prompt], params: SamplingParams,
+                 generator: Optional[torch.Generator] = None) -> list[Rollout]:
+    """The built-in engine on a BF16 copy, every region aligned (an inference engine's rounding)."""
+    from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
+
+    engine_model = low_precision_copy(model, SETTINGS["aligned"])
+    return TorchRolloutEngine(engine_model).generate(prompts, params, generator).rollouts
+
+
+@torch.no_grad()
+def transformers_engine(model, prompts: list[Prompt], params: SamplingParams,
+                        generator: Optional[torch.Generator] = None) -> list[Rollout]:
+    """Tokens from the built-in engine, log-probs from transformers' Qwen2ForCausalLM in BF16
+    (the policy's language model exported with hf_io; media embeddings computed by the policy's
+    own BF16 towers and passed as inputs_embeds)."""
+    from transformers import Qwen2ForCausalLM
+
+    from loomrl.platform.backbone.hf_io import export_language_model
+
+    rollouts = torch_engine(model, prompts, params, generator)
+    policy = low_precision_copy(model, SETTINGS["native"])
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_language_model(policy.language_model, Path(tmp) / "lm", DTYPE)
+        hf = Qwen2ForCausalLM.from_pretrained(str(folder), dtype=DTYPE, attn_implementation="sdpa").eval()
+    trajs = trajectories(prompts, rollouts)
+    scored: list[list[float]] = []
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    for mb in micro_batches(trajs, policy.pad_token_id, MICRO_BATCH):
+        encodings = policy.encode_media([m for row in mb.media for m in row])
+        embeds = policy.embed(mb.input_ids, mb.media, encodings)
+        logits = hf(inputs_embeds=embeds, attention_mask=mb.attention_mask).logits
+        logp = policy.token_logprobs(logits[:, :-1], temperature)
+        logp = logp.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+        scored.extend(_completion_logprobs(logp, mb))
+    return [Rollout(r.prompt_index, r.sample_index, r.completion_ids, s, r.finish_reason)
+            for r, s in zip(rollouts, scored)]
+
+
+ENGINES: dict[str, EngineFn] = {"torch": torch_engine, "transformers": transformers_engine}
+
+
+def register_engine(name: str, fn: EngineFn) -> None:
+    """Make `loomrl doctor --engine NAME` (and the metrics) use `fn` as a rollout engine."""
+    ENGINES[name] = fn
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: Optional[Path] = None,
+               hf: Optional[Path] = None) -> dict:
+    """Build the recipe's policy (optionally a run checkpoint or an HF folder loaded into it),
+    generate rollouts for `num_prompts` prompts with `engine`, and measure every setting."""
+    from loomrl.datasets.source import PromptSource
+    from loomrl.datasets.stream import ShardStream
+    from loomrl.platform.backbone.tokenizer import load_tokenizer
+    from loomrl.platform.backbone.vlm import build_policy
+    from loomrl.platform.runner import configure_torch, shard_files, to_prompts
+
+    if engine not in ENGINES:
+        raise ValueError(f"--engine {engine!r}: not one of {sorted(ENGINES)}")
+    configure_torch(recipe.training)
+    tokenizer = load_tokenizer(recipe.model.tokenizer)
+    model = build_policy(recipe.model, tokenizer, recipe.training.seed)
+    if checkpoint is not None:
+        from loomrl.platform.checkpoint import load_checkpoint
+
+        load_checkpoint(checkpoint, model)
+    if hf is not None:
+        from loomrl.platform.backbone.hf_io import load_policy
+
+        load_policy(model, hf)
+    model.eval()
+    stream = ShardStream(shard_files(recipe), shuffle_buffer=recipe.data.shuffle_buffer, seed=recipe.data.seed)
+    prompts = to_prompts(PromptSource(stream, model, tokenizer, recipe.model).next(num_prompts))
+    ro = recipe.rollout
+    params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
+    rollouts = ENGINES[engine](model, prompts, params, torch.Generator().manual_seed(recipe.training.seed))
+    trajs = trajectories(prompts, rollouts)
+    return {"engine": engine, "dtype": str(DTYPE).removeprefix("torch."),
+            "tokens": sum(len(t.completion_ids) for t in trajs),
+            "settings": measure(model, trajs, ro.temperature)}
+
+
+def table(report: dict) -> str:
+    lines = [f"engine {report['engine']}, trainer forward in {report['dtype']}, {report['tokens']} tokens",
+             "", "| setting | mean abs dlogp | max abs dlogp | token KL |", "| --- | --- | --- | --- |"]
+    for name, row in report["settings"].items():
+        lines.append(f"| {name} | {row['mean_abs_dlogp']:.3e} | {row['max_abs_dlogp']:.3e} | {row['kl']:.3e} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from loomrl.platform import recipe as R
+
+    ap = argparse.ArgumentParser(
+        prog="loomrl doctor",
+        description="Measure the rollout/trainer log-prob mismatch per rounding setting (BF16 trainer forward).")
+    ap.add_argument("recipe", nargs="?", default="recipes/demo.yaml", help="YAML recipe (default recipes/demo.yaml)")
+    ap.add_argument("overrides", nargs="*", help="key.path=value overrides")
+    ap.add_argument("--engine", default="torch", help=f"rollout engine to compare against: {', '.join(ENGINES)}")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts to sample (each rollout.n times)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", type=Path, help="a run checkpoint folder (DIR/checkpoints/step-N)")
+    src.add_argument("--hf", type=Path, help="a local Hugging Face checkpoint folder to load into the policy")
+    ap.add_argument("--json", action="store_true", help="print the table, then one JSON object as the last line")
+    args = ap.parse_args(argv)
+    if args.engine not in ENGINES:
+        ap.error(f"--engine {args.engine!r}: not one of {sorted(ENGINES)}")
+    if args.prompts <= 0:
+        ap.error("--prompts: must be positive")
+    try:
+        recipe = R.load_recipe(args.recipe, args.overrides)
+        report = run_doctor(recipe, args.engine, args.prompts, args.checkpoint, args.hf)
+    except (R.RecipeError, ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table(report), flush=True)
+    if args.json:
+        if not all(math.isfinite(v) for row in report["settings"].values() for v in row.values()):
+            print("warning: non-finite mismatch values", file=sys.stderr)
+        print(json.dumps(report))
+    return 0
