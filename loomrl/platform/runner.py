@@ -245,6 +245,11 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
         trajs.append(Trajectory(s.id, r.prompt_index, s.ids, r.completion_ids, s.media,
                                 r.logprobs, float(reward), rollout.version))
     rewards = torch.tensor([t.reward for t in trajs])
+    mismatch = {}
+    if recipe.logging.mismatch_every and step % recipe.logging.mismatch_every == 0:
+        from loomrl.platform.doctor import mismatch_metrics  # before training moves the weights
+
+        mismatch = mismatch_metrics(model, trajs, ro.temperature)
 
     t_train = time.perf_counter()
     a, tr = recipe.algorithm, recipe.training
@@ -326,6 +331,7 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     }
     if "kl_sum" in totals:
         row["kl"] = totals["kl_sum"] / tokens
+    row.update(mismatch)  # mismatch_<setting>_{mean,max,kl}: BF16 trainer forward vs rollout log-probs
     # importance correction: is the run on-policy? (ratio = pi_old under the trainer / pi_rollout)
     row.update({"is_ratio_mean": totals["is_ratio_sum"] / tokens, "is_ratio_max": loss_fn.maxima["is_ratio_max"],
                 "is_clipped_frac": totals["is_clipped"] / tokens, "is_masked_frac": totals["is_masked"] / tokens})
