@@ -342,11 +342,44 @@ class WarmupConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """DeepSpeed ZeRO (used when `training.engine` is `deepspeed`)."""
+
+    zero_stage: int = 2
+    """ZeRO stage: 0 plain data parallel, 1 partitions optimizer states, 2 also gradients,
+    3 also parameters."""
+    bf16: bool = False
+    """Train in BF16 with FP32 master weights (needs zero_stage >= 1); false: FP32."""
+    offload_optimizer: bool = False
+    """Keep optimizer states and the update on the CPU (ZeRO stage >= 1; torch AdamW)."""
+    reduce_bucket_size: int = 50_000_000
+    """Elements per gradient-reduction bucket."""
+
+
+@dataclass
+class MegatronConfig:
+    """Megatron-core (used when `training.engine` is `megatron`)."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel ranks of the language model; must divide training.nproc (the rest are
+    data-parallel replicas), num_heads, num_kv_heads and intermediate_size."""
+
+
+@dataclass
 class TrainingConfig:
     """The optimisation loop."""
 
-    engine: Literal["torch"] = "torch"
-    """Training engine. `torch`: single process, the embedded default."""
+    engine: Literal["torch", "deepspeed", "megatron"] = "torch"
+    """Training engine. `torch`: single process, the embedded default. `deepspeed`: ZeRO
+    (see `deepspeed`). `megatron`: megatron-core tensor + data parallel language model
+    (see `megatron`). Rollouts run on a full HF-layout copy synced after every step."""
+    nproc: int = 1
+    """Training processes. Above 1, `loomrl run` launches itself under torchrun with this many
+    ranks (gloo on CPU, NCCL on GPU); every rank runs the loop, rank 0 writes the run folder."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """DeepSpeed settings."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Megatron-core settings."""
     steps: int = 100
     """RL steps (one rollout batch and one or more optimizer steps each)."""
     prompts_per_step: int = 8
@@ -639,6 +672,22 @@ def validate(r: Recipe) -> None:
     for key, v in positive.items():
         if v <= 0:
             raise RecipeError(f"{key}: must be positive, got {v}")
+    t = r.training
+    if t.nproc < 1:
+        raise RecipeError(f"training.nproc: must be >= 1, got {t.nproc}")
+    if t.engine == "torch" and t.nproc != 1:
+        raise RecipeError("training.nproc: the torch engine runs in one process; use training.engine "
+                          "deepspeed or megatron for more")
+    if t.deepspeed.zero_stage not in (0, 1, 2, 3):
+        raise RecipeError(f"training.deepspeed.zero_stage: must be 0, 1, 2 or 3, got {t.deepspeed.zero_stage}")
+    if t.deepspeed.zero_stage == 0 and (t.deepspeed.bf16 or t.deepspeed.offload_optimizer):
+        raise RecipeError("training.deepspeed.zero_stage: bf16 and offload_optimizer need zero_stage >= 1")
+    tp = t.megatron.tensor_parallel
+    if tp < 1 or t.nproc % tp:
+        raise RecipeError(f"training.megatron.tensor_parallel: {tp} must be >= 1 and divide training.nproc={t.nproc}")
+    if t.engine == "megatron" and (r.model.num_kv_heads % tp or r.model.intermediate_size % tp):
+        raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide model.num_kv_heads="
+                          f"{r.model.num_kv_heads} and model.intermediate_size={r.model.intermediate_size}")
     if r.training.steps < 0:
         raise RecipeError(f"training.steps: must be >= 0, got {r.training.steps}")
     if r.logging.mismatch_every < 0:

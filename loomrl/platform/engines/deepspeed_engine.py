@@ -1,0 +1,171 @@
+"""DeepSpeed ZeRO training engine (stages 0-3, fp32 or bf16, optional optimizer offload).
+
+The whole policy (towers, projector, language model) is one DeepSpeed module; the
+optimizer is torch AdamW, which ZeRO partitions (stage 1: optimizer states, 2: + gradients,
+3: + parameters). The DeepSpeed config comes from the recipe (`deepspeed_config`).
+
+Each rank trains on its share of a mini-batch's micro-batches (base.rank_share, padded
+to equal counts with zero-weight repeats: ZeRO-3 gathers parameters collectively in
+every forward). Gradients accumulate locally over the micro-batches
+(`managed_gradient_accumulation: false`) and are reduced once, in `step()`. DeepSpeed
+averages gradients over the ranks, so each rank scales its loss by the world size: the
+update equals the single-process one for the same mini-batch.
+
+The encoding cache's single encoder backward per mini-batch (a second backward outside
+the engine's) is not used here: media are encoded inside each micro-batch's forward
+(deduplicated within the micro-batch), and the gradients are the same.
+
+Rollouts do not run on this (possibly partitioned) module: the runner keeps a full
+copy of the policy and loads `export_weights()` into it after every step.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from loomrl.platform.engines.base import (LossFn, allreduce_stats, gather_rank_states, rank_share, rank_state,
+                                          world)
+
+
+def deepspeed_config(cfg) -> dict:
+    """The DeepSpeed JSON config of a recipe's TrainingConfig (uses cfg.deepspeed, grad_clip)."""
+    ds = cfg.deepspeed
+    zero: dict = {"stage": ds.zero_stage, "overlap_comm": False, "contiguous_gradients": True,
+                  "reduce_bucket_size": ds.reduce_bucket_size}
+    if ds.zero_stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # partition every parameter, however small
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # loomrl sizes micro-batches itself; this is bookkeeping
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,  # backward() accumulates; step() reduces and updates
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": ds.bf16},
+        "zero_allow_untested_optimizer": True,  # torch AdamW under ZeRO
+        "zero_force_ds_cpu_optimizer": False,  # offload with torch AdamW, no compiled cpu_adam (~60 s build)
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _skip_cpu_shm_build() -> None:
+    """On CPU, DeepSpeed compiles a shared-memory all-reduce kernel (~40 s of C++ build at the
+    first start) for its inference all-reduce; ZeRO training reduces through gloo and never
+    calls it. Marking the op unavailable in DeepSpeed's op table skips the build."""
+    if torch.cuda.is_available():
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class _LossModule(nn.Module):
+    """The module DeepSpeed wraps: its forward is one micro-batch's loss on the policy."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, mb, loss_fn: LossFn):
+        return loss_fn(self.model, mb)
+
+
+class DeepSpeedTrainEngine:
+    supports_hook = False
+
+    def __init__(self, policy: nn.Module, cfg, lr: float | None = None):
+        """policy: the full VLM (copied; the copy trains). cfg: the recipe's TrainingConfig."""
+        _skip_cpu_shm_build()
+        import deepspeed
+        from deepspeed.utils import logger as ds_logger
+
+        from loomrl.platform.engines.launch import init_distributed
+
+        ds_logger.setLevel(logging.WARNING)
+        init_distributed()
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        self.cfg = cfg
+        self.stage = cfg.deepspeed.zero_stage
+        self.rank, self.size = world()
+        model = copy.deepcopy(policy)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=_LossModule(model), optimizer=opt, config=deepspeed_config(cfg))
+        self.model = model
+        self._client_opt = opt
+
+    def set_lr(self, lr: float) -> None:
+        for groups in (self.optimizer.param_groups, self._client_opt.param_groups):
+            for g in groups:
+                g["lr"] = lr
+
+    def train_mini_batch(self, micro_batches: list, loss_fn: LossFn, hook=None) -> dict[str, float]:
+        self.engine.train()
+        totals: dict[str, float] = {"loss": 0.0}
+        for mb, counts in rank_share(micro_batches, self.rank, self.size, equal=True):
+            loss, stats = self.engine(mb, loss_fn)
+            # DeepSpeed averages gradients over the ranks; the micro-batch losses of all ranks add up
+            # to the mini-batch loss, so scale back up to a sum.
+            self.engine.backward(loss * (self.size if counts else 0.0))
+            if counts:
+                totals["loss"] += float(loss.detach())
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+            else:
+                for k in stats:
+                    totals.setdefault(k, 0.0)
+        from loomrl.platform.faults import maybe_die
+
+        maybe_die("optimizer")
+        self.engine.step()
+        totals = allreduce_stats(totals)
+        norm = self.engine.get_global_grad_norm()
+        totals["grad_norm"] = float(norm) if norm is not None else 0.0
+        return totals
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full fp32 tensors under the policy's names (ZeRO-3: gathered; collective)."""
+        import deepspeed
+
+        params = list(self.model.parameters()) if self.stage == 3 else []
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+            state = {k: v.detach().to(torch.float32).clone() for k, v in self.model.state_dict().items()}
+        yield from state.items()
+
+    def _partitions(self) -> list[torch.Tensor]:
+        """This rank's fp32 master partitions (ZeRO 1/2: flat per group; ZeRO-3: flat per group)."""
+        if self.stage in (1, 2):
+            return list(self.optimizer.single_partition_of_fp32_groups)
+        return list(self.optimizer.fp32_partitioned_groups_flat)
+
+    def state_dict(self) -> Optional[dict]:
+        """Every rank's fp32 master partitions and AdamW state (tensors only), gathered on rank 0
+        (None on the others); collective."""
+        if self.stage == 0:
+            if self.cfg.deepspeed.bf16:
+                raise ValueError("training.deepspeed: bf16 checkpoints need zero_stage >= 1")
+            local = {"optimizer": self.optimizer.state_dict()}
+        else:
+            local = {"fp32": [t.detach().clone() for t in self._partitions()],
+                     "optimizer": self.optimizer.optimizer.state_dict()}
+        return gather_rank_states(local)
+
+    def load_state_dict(self, state: dict) -> None:
+        local = rank_state(state, "deepspeed engine state")
+        if self.stage == 0:
+            self.optimizer.load_state_dict(local["optimizer"])
+            return
+        parts = self._partitions()
+        if [t.shape for t in parts] != [t.shape for t in local["fp32"]]:
+            raise ValueError("deepspeed engine state: fp32 partitions do not fit this model and world size")
+        with torch.no_grad():
+            for t, saved in zip(parts, local["fp32"]):
+                t.copy_(saved)
+        self.optimizer.optimizer.load_state_dict(local["optimizer"])

@@ -1,0 +1,64 @@
+"""Multi-process runs: torchrun, gloo on CPU, NCCL on GPU.
+
+`loomrl run` re-executes itself under torchrun when a recipe asks for more than one
+training process (`training.nproc`), so the user types one command. Every rank
+then runs the same driver loop; `init_distributed` joins the process group that
+torchrun's environment describes, or makes a one-process group when a
+distributed engine (DeepSpeed, Megatron) runs in a single process.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def launched() -> bool:
+    """True inside a torchrun (or deepspeed-launcher) worker."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_command(nproc: int, cli_args: list[str]) -> list[str]:
+    """The command that runs `loomrl <cli_args>` on nproc local processes."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "loomrl.cli", *cli_args]
+
+
+def launch(nproc: int, cli_args: list[str]) -> int:
+    """Run `loomrl <cli_args>` under torchrun; the exit status of the job (first failing rank).
+    Each rank gets an equal share of the cores unless OMP_NUM_THREADS is set."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        return subprocess.call(torchrun_command(nproc, cli_args), env=env)
+    except KeyboardInterrupt:  # torchrun forwards the signal; the ranks checkpoint and exit
+        return 130
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Join the default process group: from torchrun's environment, or a one-process group."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if launched():
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+
+
+def finish() -> None:
+    """Leave the process group cleanly (without the barrier, gloo ranks sometimes abort at exit)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
