@@ -10,6 +10,7 @@ import sys
 BENCHES = {
     "drafter": "loomrl.platform.rollout.bench_drafter",
     "encoders": "loomrl.encoders.bench",
+    "staleness": "loomrl.platform.trajectory.bench_staleness",
 }
 
 
