@@ -196,12 +196,35 @@ class DrafterConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The vLLM rollout engine (`rollout.engine: vllm`)."""
+
+    kv_cache_gib: int = 1
+    """KV-cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE, unless the environment sets it)."""
+    enforce_eager: bool = True
+    """Run eagerly (no graph capture/compilation): starts in seconds."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations dtype inside vLLM (float32 matches the trainer to ~1e-6)."""
+    multiprocessing: bool = False
+    """Run vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING); off
+    runs it in this process, so nothing can be orphaned."""
+    max_model_len: int = 512
+    """Longest prompt + completion vLLM accepts."""
+    health_every: int = 0
+    """Every N RL steps, after the weight sync, compare vLLM's log-probs of that step's
+    rollouts with the trainer's forward under the new weights and log the mean |difference|
+    (`vllm_sync_logp_diff`; 0 = never)."""
+
+
+@dataclass
 class RolloutConfig:
     """How rollouts are generated."""
 
-    engine: Literal["torch"] = "torch"
+    engine: Literal["torch", "vllm"] = "torch"
     """Rollout engine. `torch`: the built-in KV-cached engine (colocated with
-    the trainer, shares its weights)."""
+    the trainer, shares its weights). `vllm`: vLLM serves the language model
+    (media encoded by the trainer's towers, passed as prompt embeddings); weights
+    are synced in place after every optimizer step."""
     n: int = 8
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
@@ -212,6 +235,8 @@ class RolloutConfig:
     """Completion length cap."""
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     """NgramRL speculative decoding."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """Settings of the vLLM engine (used when `engine` is `vllm`)."""
 
 
 # --------------------------------------------------------------------------- algorithm
@@ -705,6 +730,14 @@ def validate(r: Recipe) -> None:
                         ("compare_every", d.compare_every, 0)):
         if v < low:
             raise RecipeError(f"rollout.drafter.{key}: must be >= {low}, got {v}")
+    v = r.rollout.vllm
+    if v.kv_cache_gib <= 0 or v.max_model_len <= 0 or v.health_every < 0:
+        raise RecipeError("rollout.vllm: kv_cache_gib and max_model_len must be > 0, health_every >= 0")
+    head_dim = r.model.hidden_size // r.model.num_heads
+    if r.rollout.engine == "vllm" and head_dim % 32:  # vLLM-CPU's attention kernels (and most GPU ones)
+        raise RecipeError(f"model.num_heads: rollout.engine=vllm needs a head size that is a multiple of 32; "
+                          f"hidden_size {r.model.hidden_size} / num_heads {r.model.num_heads} = {head_dim} "
+                          f"(e.g. model.num_heads={max(1, r.model.hidden_size // 32)})")
     if r.rollout.n < 2 and r.algorithm.name == "grpo":
         raise RecipeError("rollout.n: GRPO needs at least 2 samples per prompt")
     batch = r.training.prompts_per_step * r.rollout.n

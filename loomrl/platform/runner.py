@@ -215,8 +215,8 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     ro = recipe.rollout
     params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
     prompts = to_prompts(samples)
-    compare_now = (rollout.drafter is not None and ro.drafter.compare_every
-                   and step % ro.drafter.compare_every == 0)
+    compare_now = (isinstance(rollout, TorchRolloutEngine) and rollout.drafter is not None
+                   and ro.drafter.compare_every and step % ro.drafter.compare_every == 0)
     plain_first = compare_now and (step // ro.drafter.compare_every) % 2 == 0
 
     def plain_run():
@@ -290,7 +290,13 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
                 for k, v in critic.engine.train_mini_batch(mbs, critic_loss_fn(recipe)).items():
                     critic_totals[k] = critic_totals.get(k, 0.0) + v
     trainer_version = rollout.version  # the version these updates were applied to
-    rollout.update_weights(None, rollout.version + 1)  # colocated: shared module, new version
+    rollout.update_weights(None, rollout.version + 1)  # colocated: shared module, new version (vLLM: streamed)
+    sync_check = None
+    if ro.engine == "vllm" and ro.vllm.health_every and step % ro.vllm.health_every == 0:
+        from loomrl.platform.rollout.vllm_engine import logprob_gap  # vLLM vs trainer after the sync
+
+        sync_check = logprob_gap(rollout, model, prompts[:2], SamplingParams(n=2, temperature=ro.temperature,
+                                 max_new_tokens=ro.max_new_tokens), torch.Generator().manual_seed(step))[0]
     train_s = time.perf_counter() - t_train
     enc = model.encode_totals.since(enc_before)  # the trainer's encoder work this step
     # optimizer steps the policy took between generating a trajectory and training on it
@@ -356,6 +362,9 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
         })
         if compare:
             row.update(compare)
+    row.update(getattr(rollout, "spec_metrics", {}))  # vLLM's own speculative-decoding counters
+    if sync_check is not None:
+        row["vllm_sync_logp_diff"] = sync_check
     return row
 
 
@@ -407,7 +416,16 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
     ref_model = None
     if recipe.algorithm.kl_coef > 0:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    rollout = TorchRolloutEngine(model, recipe.rollout.drafter)
+    if recipe.rollout.engine == "vllm":
+        from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine
+
+        ro = recipe.rollout
+        rollout = VLLMRolloutEngine(model, ro.vllm, ro.drafter, ro.temperature, ro.vllm.max_model_len,
+                                    recipe.training.seed)
+        print(f"[run] vLLM rollout engine started in {rollout.start_s:.1f}s"
+              + (f"; drafting off: {rollout.drafting_note}" if rollout.drafting_note else ""), flush=True)
+    else:
+        rollout = TorchRolloutEngine(model, recipe.rollout.drafter)
     critic, extra_models = None, {}
     if recipe.algorithm.name == "ppo":
         ppo = recipe.algorithm.ppo

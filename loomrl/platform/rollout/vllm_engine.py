@@ -1,0 +1,319 @@
+"""The vLLM rollout engine: the same seam as the built-in engine, generation in vLLM.
+
+How the policy maps onto vLLM: the VLM's language model is served as a
+`Qwen2ForCausalLM` (exported once at start with `backbone.hf_io`, the folder deleted
+as soon as vLLM has loaded it). The vision/audio towers stay with the trainer: each
+prompt goes to vLLM as token ids *plus* prompt embeddings (`enable_prompt_embeds`),
+with `prompt_is_token_ids` false exactly at the media placeholders, so vLLM embeds the
+text with its own (synced) table and takes the spliced media encodings as given. No
+tokenizer in vLLM (`skip_tokenizer_init`): EOS is a stop token id.
+
+Agreement with the trainer's log-probs:
+- vLLM reports the sampled token's log-prob after temperature (`processed_logprobs`),
+  the trainer's log_softmax(logits / T);
+- the tokens the trainer bans (padding, unk, media markers) are outside
+  `allowed_token_ids`, so both see the same distribution;
+- weight sync streams every language-model tensor, `lm_head.weight` included even when
+  it is tied (leaving it out loads wrong weights silently), as safetensors bytes through
+  `collective_rpc` into the worker's `reload_weights`, in place. Prefix caching is off:
+  cached KV of an older policy would be reused after a sync.
+
+NgramRL drafting runs inside vLLM (see `vllm_proposer.py`); acceptance counters come from
+vLLM's own metrics (`get_metrics`), as differences per generate call.
+
+vLLM runs in this process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): no
+child processes to orphan, ~2-3 s start on CPU. `shutdown()` stops its engine core.
+"""
+from __future__ import annotations
+
+import gc
+import io
+import os
+import shutil
+import tempfile
+import time
+from typing import Iterable, Optional
+
+import torch
+
+from loomrl.platform.recipe import DrafterConfig, VLLMConfig
+from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
+from loomrl.platform.rollout.torch_engine import DraftStats
+from loomrl.platform.rollout import vllm_proposer as P
+
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM-CPU attention kernels
+
+
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def drafting_supported(temperature: float) -> tuple[bool, str]:
+    """Whether vLLM can draft for these rollouts. vLLM-CPU 0.32's rejection sampler returns
+    wrong log-probs (0.0 or NaN) for positions verified against drafts when sampling
+    (T > 0), with its built-in `ngram` method as with `custom_class` (measured here);
+    greedy drafting is exact."""
+    if temperature > 0 and on_cpu():
+        return False, ("vLLM-CPU 0.32 returns wrong log-probs (0.0/NaN) for drafted positions "
+                       "when sampling; drafting inside vLLM is used for greedy rollouts only on CPU")
+    return True, ""
+
+
+def language_model_tensors(model) -> dict[str, torch.Tensor]:
+    """Every language-model tensor under Qwen2ForCausalLM names, lm_head always included,
+    each its own contiguous copy (safetensors refuses shared storage)."""
+    lm = model.language_model
+    out = {name: t.detach().to(torch.float32 if t.is_floating_point() else t.dtype).clone().contiguous()
+           for name, t in lm.state_dict().items()}
+    out["lm_head.weight"] = lm.lm_head.weight.detach().clone().contiguous()
+    return out
+
+
+def rpc_reload(worker, blob: bytes) -> int:
+    """Worker side of a weight sync: tensors arrive as safetensors bytes (raw tensors would
+    arrive as lists when vLLM runs in its own process)."""
+    from safetensors.torch import load
+
+    tensors = load(blob)
+    dtype = worker.model_runner.model_config.dtype
+    worker.model_runner.reload_weights(weights_iterator=((k, v.to(dtype)) for k, v in tensors.items()))
+    return len(tensors)
+
+
+class _RemoteDrafter:
+    """The runner's view of the drafter living in vLLM's worker."""
+
+    def __init__(self, engine: "VLLMRolloutEngine"):
+        self.engine = engine
+
+    def history_tokens(self) -> int:
+        return int(self.engine.llm.collective_rpc(P.rpc_history_tokens)[0])
+
+
+class VLLMRolloutEngine:
+    def __init__(self, model, cfg: Optional[VLLMConfig] = None, drafter_cfg: Optional[DrafterConfig] = None,
+                 temperature: float = 1.0, max_model_len: int = 512, seed: int = 0):
+        """model: the trainer's VLM (its towers encode media here; its language model is what
+        vLLM serves). temperature: the run's rollout temperature (decides whether vLLM can
+        draft, see drafting_supported)."""
+        self.model = model
+        self.cfg = cfg or VLLMConfig()
+        self.version = 0
+        head_dim = model.language_model.cfg.head_dim
+        if on_cpu() and head_dim not in CPU_HEAD_DIMS:
+            raise ValueError(f"vLLM on CPU supports head sizes {CPU_HEAD_DIMS}; the model has "
+                             f"hidden_size / num_heads = {head_dim} (set model.num_heads accordingly)")
+        self.drafter_cfg = drafter_cfg if drafter_cfg is not None and drafter_cfg.enabled else None
+        self.drafting_note = ""
+        if self.drafter_cfg is not None:
+            ok, self.drafting_note = drafting_supported(temperature)
+            if not ok:
+                self.drafter_cfg = None
+        self.drafter = _RemoteDrafter(self) if self.drafter_cfg else None
+        self.last_stats = DraftStats()
+        self.spec_metrics: dict = {}
+        self._observed: list[tuple[str, list[int]]] = []
+        self._batch = 0
+        vocab = model.language_model.cfg.vocab_size
+        banned = set(model.banned_token_ids.tolist())
+        self.allowed = [i for i in range(vocab) if i not in banned]
+        self.llm = self._start(max_model_len, seed)
+
+    # ------------------------------------------------------------------ start / stop
+
+    def _start(self, max_model_len: int, seed: int):
+        from loomrl.platform.backbone.hf_io import export_language_model
+
+        # vLLM reads these at import/start; the recipe's values unless the environment set them.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if self.cfg.multiprocessing else "0")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the trainer's threads
+        from vllm import LLM
+
+        folder = tempfile.mkdtemp(prefix="loomrl-vllm-")
+        set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide
+        try:
+            export_language_model(self.model.language_model, folder, torch.float32,
+                                  {"eos_token_id": self.model.eos_token_id,
+                                   "pad_token_id": self.model.pad_token_id}, overwrite=True)
+            spec = None
+            if self.drafter_cfg is not None:
+                spec = {"method": "custom_class", "model": f"{P.__name__}.NgramRLProposer",
+                        "num_speculative_tokens": self.drafter_cfg.k}
+            t0 = time.perf_counter()
+            llm = LLM(model=folder, skip_tokenizer_init=True, dtype=self.cfg.dtype,
+                      enforce_eager=self.cfg.enforce_eager, enable_prompt_embeds=True,
+                      enable_prefix_caching=False, max_model_len=max_model_len, seed=seed,
+                      logprobs_mode="processed_logprobs", disable_log_stats=False,
+                      speculative_config=spec)
+            self.start_s = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads = set_threads
+            shutil.rmtree(folder, ignore_errors=True)  # vLLM holds the weights now
+        return llm
+
+    def shutdown(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+        self.model = None
+
+    # ------------------------------------------------------------------ generate
+
+    def _prompt_inputs(self, prompts: list[Prompt]) -> list[dict]:
+        model = self.model
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            encodings = model.encode_media([m for p in prompts for m in p.media])
+            out = []
+            for p in prompts:
+                ids = torch.tensor([p.ids])
+                emb = model.embed(ids, [p.media], encodings)[0].to(torch.float32)
+                is_media = (ids[0] == model.image_token_id) | (ids[0] == model.audio_token_id)
+                out.append({"prompt_embeds": emb, "prompt_token_ids": list(p.ids),
+                            "prompt_is_token_ids": (~is_media).tolist()})
+        model.train(was_training)
+        return out
+
+    def _spec_counters(self) -> dict:
+        """vLLM's cumulative speculative-decoding counters."""
+        c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+        names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted"}
+        for m in self.llm.get_metrics():
+            if m.name in names:
+                c[names[m.name]] += int(m.value)
+            elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                c["per_pos"] = [int(v) for v in m.values]
+        return c
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams,
+                 generator: Optional[torch.Generator] = None) -> RolloutResult:
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        start = time.perf_counter()
+        batch = self._batch = self._batch + 1
+        if self.drafter_cfg is not None:
+            self.llm.collective_rpc(P.rpc_begin, args=(self.drafter_cfg, batch,
+                                                       [(p.id, list(p.ids)) for p in prompts], self._observed))
+            self._observed = []
+            before = self._spec_counters()
+        inputs = self._prompt_inputs(prompts)
+        # One request per sample (greedy requests must have n = 1), each with its own seed
+        # drawn from the run's generator, so a seeded run is reproducible.
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts) * params.n,), generator=generator).tolist()
+        engine = self.llm.llm_engine
+        for pi, inp in enumerate(inputs):
+            for j in range(params.n):
+                sp = VSP(n=1, temperature=params.temperature, top_p=params.top_p,
+                         max_tokens=params.max_new_tokens, logprobs=0, seed=seeds[pi * params.n + j],
+                         stop_token_ids=[self.model.eos_token_id], allowed_token_ids=self.allowed,
+                         output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(P.request_id(batch, pi, j), inp, sp)
+        finished = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            steps += 1  # one scheduler step: one batched target forward
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        rollouts = []
+        for pi in range(len(prompts)):
+            for j in range(params.n):
+                rid = P.request_id(batch, pi, j)
+                out = next((o for k, o in finished.items() if k.startswith(rid + "-") or k == rid), None)
+                if out is None:
+                    raise RuntimeError(f"vLLM returned no output for request {rid} (prompt {prompts[pi].id})")
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                logps = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs)]
+                reason = "stop" if ids and ids[-1] == self.model.eos_token_id else "length"
+                rollouts.append(Rollout(pi, j, ids, logps, reason))
+        stats = DraftStats()
+        self.spec_metrics = {}
+        if self.drafter_cfg is not None:
+            after, k = self._spec_counters(), self.drafter_cfg.k
+            delta = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
+            per_pos = [a - b for a, b in zip(after["per_pos"] + [0] * k, before["per_pos"] + [0] * k)][:k]
+            # vLLM counts accepted tokens per position against the number of drafts (its
+            # acceptance-by-position definition); drafted tokens only in total.
+            stats = DraftStats([delta["drafts"]] * k, per_pos)
+            self.spec_metrics = {"vllm_drafts": delta["drafts"], "vllm_draft_tokens": delta["draft_tokens"],
+                                 "vllm_accepted_tokens": delta["accepted"],
+                                 "draft_acceptance": delta["accepted"] / max(1, delta["draft_tokens"])}
+        self.last_stats = stats
+        tokens = sum(len(r.completion_ids) for r in rollouts)
+        # each target forward of a sequence commits one sampled token plus its accepted drafts
+        seq_forwards = max(1, tokens - self.spec_metrics.get("vllm_accepted_tokens", 0))
+        return RolloutResult(rollouts, steps, time.perf_counter() - start, seq_forwards)
+
+    # ------------------------------------------------------------------ drafter + weights
+
+    def observe(self, prompt_id: str, completion_ids: list[int]) -> None:
+        """Feed a finished rollout into the drafter's history (sent with the next batch)."""
+        if self.drafter_cfg is not None:
+            self._observed.append((prompt_id, list(completion_ids)))
+
+    def state_dict(self) -> dict:
+        state: dict = {"version": self.version}
+        if self.drafter_cfg is not None:
+            self._flush_observed()
+            d = self.llm.collective_rpc(P.rpc_state_dict)[0]
+            if d is not None:
+                state["drafter"] = d
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version = state["version"]
+        if self.drafter_cfg is not None and "drafter" in state:
+            self.llm.collective_rpc(P.rpc_load_state_dict, args=(self.drafter_cfg, state["drafter"]))
+
+    def _flush_observed(self) -> None:
+        if self._observed:
+            self.llm.collective_rpc(P.rpc_begin, args=(self.drafter_cfg, self._batch, [], self._observed))
+            self._observed = []
+
+    def update_weights(self, weights: Optional[Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
+        """Push new weights into the running engine, in place. weights=None: the trainer's
+        model (shared with this engine) was updated; stream its language model."""
+        from safetensors.torch import save
+
+        if weights is None:
+            tensors = language_model_tensors(self.model)
+        else:
+            prefix = "language_model."
+            tensors = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().clone().contiguous()
+                       for k, v in weights if not k.startswith(("visual.", "audio_tower.", "audio_projector."))}
+            if "lm_head.weight" not in tensors:
+                if not self.model.language_model.cfg.tie_word_embeddings:
+                    raise ValueError("weight sync: lm_head.weight missing for an untied head")
+                tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        self.llm.collective_rpc(rpc_reload, args=(save(tensors),))
+        self.version = version
+
+
+def logprob_gap(engine, model, prompts: list[Prompt], params: SamplingParams,
+                generator: Optional[torch.Generator] = None) -> tuple[float, float, int]:
+    """Generate with `engine`, recompute the same tokens with the trainer's forward of `model`:
+    (mean |rollout - trainer| log-prob per token, max, tokens). The on-policy check used
+    by the tests, the recipe's vLLM health check and `loomrl doctor`."""
+    from loomrl.platform.trajectory.batch import Trajectory, collate
+
+    res = engine.generate(prompts, params, generator)
+    trajs = [Trajectory(prompts[r.prompt_index].id, r.prompt_index, prompts[r.prompt_index].ids,
+                        r.completion_ids, prompts[r.prompt_index].media, r.logprobs, 0.0, 0)
+             for r in res.rollouts]
+    mb = collate(trajs, model.pad_token_id)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logp, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media,
+                                          params.temperature if params.temperature > 0 else 1.0)
+    model.train(was_training)
+    m = mb.loss_mask.bool()
+    diff = (logp[m].double() - mb.rollout_logp[m].double()).abs()
+    return float(diff.mean()), float(diff.max()), int(m.sum())
