@@ -154,7 +154,7 @@ class DeepSpeedTrainEngine:
             local = {"optimizer": self.optimizer.state_dict()}
         else:
             local = {"fp32": [t.detach().clone() for t in self._partitions()],
-                     "optimizer": self.optimizer.optimizer.state_dict()}
+                     "optimizer": _param_states(self.optimizer.optimizer, self._partitions())}
         return gather_rank_states(local)
 
     def load_state_dict(self, state: dict) -> None:
@@ -168,4 +168,20 @@ class DeepSpeedTrainEngine:
         with torch.no_grad():
             for t, saved in zip(parts, local["fp32"]):
                 t.copy_(saved)
-        self.optimizer.optimizer.load_state_dict(local["optimizer"])
+        _load_param_states(self.optimizer.optimizer, parts, local["optimizer"])
+
+
+
+def _param_states(opt: torch.optim.Optimizer, partitions: list[torch.Tensor]) -> list[dict]:
+    """The inner optimizer's state (exp_avg, exp_avg_sq, step) of each fp32 partition. Keyed by
+    the partitions, not by param_groups: ZeRO-3 puts a partition into its group only while it
+    steps it, and the inner optimizer also holds stale entries torch's state_dict() cannot index."""
+    return [{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in opt.state.get(t, {}).items()}
+            for t in partitions]
+
+
+def _load_param_states(opt: torch.optim.Optimizer, partitions: list[torch.Tensor], saved: list[dict]) -> None:
+    if len(partitions) != len(saved):
+        raise ValueError("deepspeed engine state: optimizer partitions do not fit this model")
+    for t, st in zip(partitions, saved):
+        opt.state[t] = {k: v.to(t.device).clone() if torch.is_tensor(v) else v for k, v in st.items()}

@@ -243,6 +243,7 @@ class MegatronTrainEngine:
         model.language_model = lm
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._split = tp_split_params(lm)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr if lr is None else lr,
                                            weight_decay=cfg.weight_decay)
 
@@ -289,7 +290,7 @@ class MegatronTrainEngine:
         grads = [p for p in self.params if p.grad is not None]
         for p in grads:
             sq = p.grad.double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
+            if id(p) in self._split:
                 split += sq
             else:
                 replicated += sq
@@ -328,6 +329,22 @@ class MegatronTrainEngine:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(rank_state(state, "megatron engine state")["optimizer"])
+
+
+def tp_split_params(lm: MegatronLM) -> set[int]:
+    """ids of the parameters split across TP ranks (the parallel linears' weights, the
+    column-parallel biases, the vocab-parallel embedding); the rest are replicated. Read from
+    the module types: Megatron sets its `tensor_model_parallel` attribute only when it
+    initialises the weights itself, and here they are loaded."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    split = set()
+    for m in lm.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            split.add(id(m.weight))
+        if isinstance(m, ColumnParallelLinear) and m.bias is not None:
+            split.add(id(m.bias))
+    return split
 
 
 def _broadcast_stats(stats: dict[str, float], group) -> dict[str, float]:
