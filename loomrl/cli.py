@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,10 +38,27 @@ def cmd_run(args) -> int:
         resume_from = Path(args.resume_from) if args.resume_from else latest_checkpoint(out / "checkpoints")
         if resume_from is None:
             print(f"[run] no checkpoint in {out}/checkpoints: starting from the beginning", file=sys.stderr)
-    elif (out / "metrics.jsonl").exists():
+    elif (out / "metrics.jsonl").exists() and "LOOMRL_NPROC_CHILD" not in os.environ:  # launcher checked
         print(f"error: {out} already holds a run (metrics.jsonl); choose another --out, or --resume it",
               file=sys.stderr)
         return 2
+    if recipe.pipeline.mode == "disaggregated":  # torchrun: 1 trainer + pipeline.rollout_workers
+        if resume_from is not None or args.max_steps is not None:
+            print("error: --resume/--resume-from/--max-steps are not supported with pipeline.mode=disaggregated yet",
+                  file=sys.stderr)
+            return 2
+        from loomrl.platform.disaggregated import launch
+
+        return launch(args.recipe, args.overrides, out)
+    if recipe.training.engine != "torch":  # DeepSpeed / Megatron: a process group, torchrun above 1 process
+        from loomrl.platform.engines import launch as engines_launch
+
+        if recipe.training.nproc > 1 and not engines_launch.launched():
+            argv = ["run", args.recipe, *args.overrides, "--out", str(out)]
+            argv += ["--resume-from", str(resume_from)] if resume_from is not None else []
+            argv += ["--max-steps", str(args.max_steps)] if args.max_steps is not None else []
+            return engines_launch.launch(recipe.training.nproc, argv)
+        engines_launch.init_distributed()
     from loomrl.platform.runner import Interrupted, run
 
     try:
@@ -58,6 +76,16 @@ def cmd_run(args) -> int:
         print(f"[run] {e}\nresume with: loomrl run {args.recipe} {' '.join(args.overrides)} --out {out} --resume",
               file=sys.stderr)
         return 130
+    if recipe.training.engine != "torch":
+        import shutil
+
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        engines_launch.finish()
+        if rank != 0:  # its scratch run folder; rank 0 reports
+            shutil.rmtree(result.out, ignore_errors=True)
+            return 0
     print(result.summary, flush=True)
     return 3 if result.goal_met is False else 0
 

@@ -258,7 +258,8 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     enc_before = model.encode_totals.copy()
     # model.encoders.dedup: each mini-batch's distinct media are encoded once and shared by
     # its micro-batches, one encoder backward per mini-batch; off: every copy, every micro-batch.
-    shared = SharedEncodings(model) if model.cfg.encoders.dedup else None
+    shared = (SharedEncodings(engine.model) if model.cfg.encoders.dedup and getattr(engine, "supports_hook", True)
+              else None)
     # KnitTrans: the step's groups go through the trajectory store and admission; all are
     # ready at once here, so both policies admit the same mini-batches in the same order.
     store = store if store is not None else TrajectoryStore(ro.n)
@@ -290,6 +291,10 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
                 for k, v in critic.engine.train_mini_batch(mbs, critic_loss_fn(recipe)).items():
                     critic_totals[k] = critic_totals.get(k, 0.0) + v
     trainer_version = rollout.version  # the version these updates were applied to
+    if engine.model is not model:  # DeepSpeed/Megatron train a copy: its full HF-layout weights -> model
+        from loomrl.platform.engines.base import load_exported
+
+        load_exported(model, engine.export_weights())
     rollout.update_weights(None, rollout.version + 1)  # colocated: shared module, new version (vLLM: streamed)
     sync_check = None
     if ro.engine == "vllm" and ro.vllm.health_every and step % ro.vllm.health_every == 0:
@@ -390,10 +395,19 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
     files = shard_files(recipe)
     tokenizer = load_tokenizer(recipe.model.tokenizer)
     model = build_policy(recipe.model, tokenizer, recipe.training.seed)
-    stream = ShardStream(files, shuffle_buffer=recipe.data.shuffle_buffer, seed=recipe.data.seed)
+    # every rank reads the same prompts and generates the same rollouts (same seeds); the
+    # training engine splits each mini-batch's micro-batches between the ranks
+    stream = ShardStream(files, shuffle_buffer=recipe.data.shuffle_buffer, seed=recipe.data.seed,
+                         rank=0, world_size=1)
     source = PromptSource(stream, model, tokenizer, recipe.model)
     # reward models run on the trainer's device
     reward_fn = build_sources(recipe.algorithm, next(model.parameters()).device)
+    from loomrl.platform.engines.base import world
+
+    if world()[0] != 0:  # only rank 0 writes the run folder; the others write into a scratch folder
+        import tempfile
+
+        out = Path(tempfile.mkdtemp(prefix=f"loomrl-rank{world()[0]}-"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipe.yaml").write_text(R.dump(recipe))
     n_params = sum(p.numel() for p in model.parameters())
@@ -437,8 +451,13 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
             critic = CriticParts(model=body, engine=TorchTrainEngine(body, recipe.training, lr=ppo.critic_lr))
             extra_models["critic"] = critic.model
     params = [p for p in model.parameters() if p.requires_grad]
-    engine = TorchTrainEngine(model, recipe.training,
-                              params=params + (list(critic.head.parameters()) if critic and critic.head else []))
+    if recipe.training.engine == "torch":
+        engine = TorchTrainEngine(model, recipe.training,
+                                  params=params + (list(critic.head.parameters()) if critic and critic.head else []))
+    else:  # DeepSpeed / Megatron train their own copy; `model` stays the full rollout copy
+        from loomrl.platform.engines import build_engine
+
+        engine = build_engine(recipe, model)
     generator = torch.Generator().manual_seed(recipe.training.seed)
     counters = {"generated": 0, "trained": 0, "dropped": 0}
     rows: list[dict] = []
@@ -464,7 +483,7 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(out / "metrics.jsonl")
         print(f"[run] resumed from {resume_from} at RL step {ckpt_state['step']}", flush=True)
-    start = len(rows)
+    start = ckpt_state["step"] if ckpt_state is not None else len(rows)  # ranks > 0 have no metrics file
     store, base = TrajectoryStore(recipe.rollout.n), dict(counters)
     # The drafter allocates many small containers per step, which triggers full garbage
     # collections; each would walk every object the imports and the model created (~0.2 s
@@ -481,7 +500,7 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
     def checkpoint(step: int) -> Path:
         state = {"step": step, "data": source.state(), "rollout": rollout.state_dict(),
                  "trajectories": counters, "recipe": R.to_dict(recipe)}
-        engine_state = dict(engine.state_dict(), generator=generator.get_state(), torch_rng=torch.get_rng_state())
+        engine_state = dict(engine.state_dict() or {}, generator=generator.get_state(), torch_rng=torch.get_rng_state())
         if critic is not None and critic.engine is not None:
             engine_state["critic"] = critic.engine.state_dict()
         extra = dict(extra_models, **({"ref_model": ref_model} if ref_model is not None else {})) or None

@@ -112,3 +112,13 @@ def rank_state(state: dict, what: str) -> dict:
         raise ValueError(f"{what}: the checkpoint holds {saved} rank states but this run has {size} "
                          f"processes; resume with the same training.nproc")
     return ranks[rank]
+
+
+def load_exported(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy an engine's exported weights into the full policy (the rollout copy); every
+    parameter must be covered (a tied lm_head may come by name or not at all)."""
+    state = dict(weights)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"engine weight export: missing {missing[:5]}, unexpected {unexpected[:5]}")

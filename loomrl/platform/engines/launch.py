@@ -34,6 +34,7 @@ def launch(nproc: int, cli_args: list[str]) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env["LOOMRL_NPROC_CHILD"] = "1"  # the launcher already refused an existing run folder
     try:
         return subprocess.call(torchrun_command(nproc, cli_args), env=env)
     except KeyboardInterrupt:  # torchrun forwards the signal; the ranks checkpoint and exit
