@@ -128,6 +128,9 @@ class VLLMRolloutEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gib))
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if self.cfg.multiprocessing else "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the trainer's threads
+        # vLLM compiles a few kernels with inductor even when eager; keep that cache out of /tmp.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "loomrl", "torchinductor"))
         from vllm import LLM
 
         folder = tempfile.mkdtemp(prefix="loomrl-vllm-")
