@@ -398,13 +398,6 @@ class TrainingConfig:
     """Training engine. `torch`: single process, the embedded default. `deepspeed`: ZeRO
     (see `deepspeed`). `megatron`: megatron-core tensor + data parallel language model
     (see `megatron`). Rollouts run on a full HF-layout copy synced after every step."""
-    nproc: int = 1
-    """Training processes. Above 1, `loomrl run` launches itself under torchrun with this many
-    ranks (gloo on CPU, NCCL on GPU); every rank runs the loop, rank 0 writes the run folder."""
-    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
-    """DeepSpeed settings."""
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    """Megatron-core settings."""
     steps: int = 100
     """RL steps (one rollout batch and one or more optimizer steps each)."""
     prompts_per_step: int = 8
@@ -427,6 +420,13 @@ class TrainingConfig:
     """torch intra-op threads (0 = torch's default)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm-up stage."""
+    nproc: int = 1
+    """Training processes. Above 1, `loomrl run` launches itself under torchrun with this many
+    ranks (gloo on CPU, NCCL on GPU); every rank runs the loop, rank 0 writes the run folder."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """DeepSpeed settings."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Megatron-core settings."""
 
 
 @dataclass
