@@ -183,6 +183,7 @@ def simulate(policy: str, w: Workload, seed: int = 0, deaths: dict[int, float] |
         "sim_time": now,
         "bytes_per_mini_batch": sum(bytes_dedup) / len(bytes_dedup),
         "bytes_per_mini_batch_no_dedup": sum(bytes_naive) / len(bytes_naive),
+        "prompts_created": next(serial),
         "store": store,
         "dispatcher": disp,
     }
