@@ -12,12 +12,14 @@ def cmd_run(args) -> int:
     from loomrl.platform import recipe as R
 
     try:
-        recipe = R.load_recipe(args.recipe, args.overrides)
+        recipe = R.load_recipe(args.recipe, args.overrides, files=not args.dry_run)
     except R.RecipeError as e:
         print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         print(R.dump(recipe), end="")
+        for problem in R.file_problems(recipe):  # a recipe for another machine names its paths
+            print(f"# note: not on this machine: {problem}", file=sys.stderr)
         print("# recipe OK", file=sys.stderr)
         return 0
     out = Path(args.out) if args.out else Path("runs") / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -49,7 +51,11 @@ def cmd_run(args) -> int:
             return 2
         from loomrl.platform.disaggregated import launch
 
-        return launch(args.recipe, args.overrides, out)
+        try:
+            return launch(args.recipe, args.overrides, out)
+        except R.RecipeError as e:
+            print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
+            return 2
     if recipe.training.engine != "torch":  # DeepSpeed / Megatron: a process group, torchrun above 1 process
         from loomrl.platform.engines import launch as engines_launch
 

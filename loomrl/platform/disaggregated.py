@@ -51,6 +51,13 @@ EXIT_FILE = "exit_code"
 def launch(recipe_path: str, overrides: list[str], out: Path) -> int:
     """Run the roles under torchrun; the trainer's exit code (0, 2 = stopped, 3 = goal missed)."""
     recipe = R.load_recipe(recipe_path, overrides)
+    unsupported = {"algorithm.name": (recipe.algorithm.name, "grpo"), "rollout.engine": (recipe.rollout.engine, "torch"),
+                   "training.engine": (recipe.training.engine, "torch")}
+    for key, (value, ok) in unsupported.items():
+        if value != ok:
+            raise R.RecipeError(f"{key}: {value!r} is not supported with pipeline.mode=disaggregated yet (only {ok!r})")
+    if recipe.algorithm.kl_coef > 0:
+        raise R.RecipeError("algorithm.kl_coef: a KL reference is not supported with pipeline.mode=disaggregated yet")
     out.mkdir(parents=True, exist_ok=True)
     (out / EXIT_FILE).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
