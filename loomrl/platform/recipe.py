@@ -123,6 +123,10 @@ class ModelConfig:
     """Epsilon of the RMSNorms."""
     tie_word_embeddings: bool = True
     """Share the input embedding with the LM head (as small Qwen2 models do)."""
+    init_from: Optional[str] = None
+    """A local HF checkpoint folder (Qwen2, Qwen2-VL, Qwen2.5-VL or Qwen2-Audio; safetensors) the
+    policy starts from: its language model, and its vision or audio tower when it has one. The
+    sizes above must match its config.json. null: random initialisation (the demo)."""
     init_std: float = 0.02
     """Std of the random initialisation (models are built from config)."""
     vision: VisionConfig = field(default_factory=VisionConfig)
@@ -755,15 +759,27 @@ def validate(r: Recipe) -> None:
         raise RecipeError(f"pipeline.worker_timeout_s: must be > 0, got {pl.worker_timeout_s}")
     resolve_callable(r.algorithm.reward)
     validate_algorithm(r.algorithm)
+
+
+def file_problems(r: Recipe) -> list[str]:
+    """What this machine's file system lacks for the recipe: the shards, the tokenizer and the
+    checkpoint the policy starts from. `loomrl run --dry-run` reports these as notes, so a recipe
+    for another machine (a GPU cluster) still validates here."""
+    problems = []
     if r.data.demo is None and not expand_pattern(r.data.shards):
-        raise RecipeError(f"data.shards: no files match {r.data.shards!r} (and data.demo is null, "
-                          f"so none will be generated)")
+        problems.append(f"data.shards: no files match {r.data.shards!r} (and data.demo is null, "
+                        f"so none will be generated)")
     if r.model.tokenizer != "demo" and not Path(r.model.tokenizer).is_dir():
-        raise RecipeError(f"model.tokenizer: {r.model.tokenizer!r} is not 'demo' nor a tokenizer folder")
+        problems.append(f"model.tokenizer: {r.model.tokenizer!r} is not 'demo' nor a tokenizer folder")
+    if r.model.init_from is not None and not (Path(r.model.init_from) / "config.json").is_file():
+        problems.append(f"model.init_from: {r.model.init_from!r} is not a local HF checkpoint folder "
+                        f"(no config.json)")
+    return problems
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
-    """Read a YAML recipe, apply overrides, type-check and validate it."""
+def load_recipe(path: str | Path | None, overrides: list[str] = (), files: bool = True) -> Recipe:
+    """Read a YAML recipe, apply overrides, type-check and validate it (files=False: skip the
+    checks against this machine's file system, see `file_problems`)."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -779,6 +795,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
         apply_override(data, o)
     recipe = _build(Recipe, data)
     validate(recipe)
+    problems = file_problems(recipe) if files else []
+    if problems:
+        raise RecipeError(problems[0])
     return recipe
 
 

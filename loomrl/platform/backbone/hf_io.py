@@ -164,15 +164,18 @@ def text_config(cfg: DecoderConfig, dtype: torch.dtype) -> dict:
 
 
 def decoder_tensors(decoder: Decoder, prefix_model: str = "model.", prefix_head: str = "lm_head.",
-                    dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """The decoder's tensors under checkpoint names; `lm_head.weight` only when untied."""
+                    dtype: Optional[torch.dtype] = None, tied_head: bool = False) -> dict[str, torch.Tensor]:
+    """The decoder's tensors under checkpoint names; `lm_head.weight` only when untied, or when
+    tied_head asks for it too."""
     out = {}
     for name, t in decoder.state_dict().items():
-        if name == "lm_head.weight" and decoder.cfg.tie_word_embeddings:
+        if name == "lm_head.weight" and decoder.cfg.tie_word_embeddings and not tied_head:
             continue
         key = prefix_head + name[len("lm_head."):] if name.startswith("lm_head.") \
             else prefix_model + name[len("model."):]
         out[key] = t.detach().to(dtype or t.dtype).contiguous()
+        if name == "lm_head.weight" and decoder.cfg.tie_word_embeddings:
+            out[key] = out[key].clone()  # safetensors refuses two names for one storage
     return out
 
 
@@ -259,7 +262,8 @@ def export_policy(model, folder: str | Path, modality: str, dtype: Optional[torc
 
     if modality == "image":
         vision = model.visual.config.to_dict()
-        model_type = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl_vision": "qwen2_5_vl"}.get(vision.get("model_type"))
+        model_type = {"qwen2_vl": "qwen2_vl", "qwen2_vl_vision": "qwen2_vl",
+                          "qwen2_5_vl_vision": "qwen2_5_vl"}.get(vision.get("model_type"))
         if model_type is None:
             raise ValueError(f"vision tower of type {vision.get('model_type')!r} has no HF model to export to")
         arch = "Qwen2VLForConditionalGeneration" if model_type == "qwen2_vl" else "Qwen2_5_VLForConditionalGeneration"
@@ -276,7 +280,8 @@ def export_policy(model, folder: str | Path, modality: str, dtype: Optional[torc
                   "text_config": {"model_type": "qwen2", **text}, "audio_config": model.audio_tower.config.to_dict(),
                   "audio_token_index": model.audio_token_id, "tie_word_embeddings": lm.cfg.tie_word_embeddings,
                   "torch_dtype": text["dtype"], "dtype": text["dtype"]}
-        tensors = {**decoder_tensors(lm, "language_model.model.", "language_model.lm_head.", dtype),
+        # transformers 5.19 does not re-tie Qwen2-Audio's head on load (it stays random): always write it
+        tensors = {**decoder_tensors(lm, "language_model.model.", "language_model.lm_head.", dtype, tied_head=True),
                    **tower_tensors(model.audio_tower, "audio_tower."),
                    **tower_tensors(model.audio_projector, "multi_modal_projector.linear.")}
     else:

@@ -235,5 +235,11 @@ class VLM(nn.Module):
 
 
 def build_policy(cfg: ModelConfig, tokenizer, seed: int) -> VLM:
+    """The policy: randomly initialised from `seed`, then loaded from `cfg.init_from` if set."""
     torch.manual_seed(seed)
-    return VLM(cfg, tokenizer)
+    model = VLM(cfg, tokenizer)
+    if cfg.init_from is not None:
+        from loomrl.platform.backbone.hf_io import load_policy
+
+        load_policy(model, cfg.init_from)
+    return model
