@@ -19,6 +19,7 @@ Qwen2-Audio needs none of this.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import types
@@ -48,6 +49,7 @@ def _smart_resize_module() -> types.ModuleType:
     return mod
 
 
+@functools.cache
 def _inert_video_processor_class():
     from transformers.processing_utils import VideosKwargs
     from transformers.video_processing_utils import VideoProcessorMixin
