@@ -43,21 +43,28 @@ def _tokenizer(folder):
     return fast
 
 
-def _qwen2_vl(folder):
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _qwen2_vl(folder, kind="qwen2_vl"):
+    import transformers as T
 
     tok = _tokenizer(folder)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
     eos = ids["<|endoftext|>"]
     torch.manual_seed(0)
-    cfg = Qwen2VLConfig(
+    if kind == "qwen2_vl":
+        config_cls, model_cls = T.Qwen2VLConfig, T.Qwen2VLForConditionalGeneration
+        vision = dict(depth=1, embed_dim=64, hidden_size=64, num_heads=2, mlp_ratio=2)
+    else:  # Qwen2.5-VL: a windowed block and a full-attention block
+        config_cls, model_cls = T.Qwen2_5_VLConfig, T.Qwen2_5_VLForConditionalGeneration
+        vision = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=64,
+                      fullatt_block_indexes=[1], window_size=56)
+    cfg = config_cls(
         text_config={**TEXT, "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 4, 4]}},
-        vision_config=dict(depth=1, embed_dim=64, hidden_size=64, num_heads=2, mlp_ratio=2, initializer_range=0.2),
+        vision_config={**vision, "initializer_range": 0.2},
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], eos_token_id=eos)
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
-    model.save_pretrained(folder)  # transformers 5.19 writes Qwen2-VL in the hub layout (model.*, visual.*)
+    model = model_cls(cfg).eval()
+    model.save_pretrained(folder)  # transformers 5.19 writes the Qwen2-VL family in the hub layout
     # small images: 56x56 .. 112x112 pixels -> 4 .. 16 image tokens
     pre = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
            "min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14, "temporal_patch_size": 2,
@@ -99,11 +106,11 @@ def _dist_files():
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
 
 
-def _serve(request, tmp_path_factory, build):
+def _serve(request, tmp_path_factory, build, *args):
     """Build the checkpoint, start vLLM on it; at teardown stop it and check that the rendezvous
     file vLLM made in /tmp for this engine is gone (the checkpoint is in pytest's tmp_path)."""
     folder = str(tmp_path_factory.mktemp(build.__name__.strip("_")))
-    model = build(folder)
+    model = build(folder, *args)
     before = _dist_files()
     llm = start_native(folder)
     ours = _dist_files() - before
@@ -116,9 +123,9 @@ def _serve(request, tmp_path_factory, build):
     return folder, model, llm
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def vl(request, tmp_path_factory):
-    return _serve(request, tmp_path_factory, _qwen2_vl)
+    return _serve(request, tmp_path_factory, _qwen2_vl, request.param)
 
 
 @pytest.fixture(scope="module")
