@@ -229,7 +229,10 @@ def test_shims_stand_in_for_torchvision_and_are_idempotent():
     assert mod.smart_resize is smart_resize and mod.smart_resize(60, 80, 28, 56 * 56, 112 * 112) == (56, 84)
     with pytest.raises(ImportError, match="torchvision"):
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor  # noqa: F401
-    assert "apply()" in registry._SUBPROCESS_COMMAND[-1] and registry._SUBPROCESS_COMMAND[0] == sys.executable
+    # vLLM's model-inspection child applies the shims too: it can import vLLM's Qwen2-VL module
+    assert registry._SUBPROCESS_COMMAND[0] == sys.executable
+    name = registry._run_in_subprocess(lambda: importlib.import_module("vllm.model_executor.models.qwen2_vl").__name__)
+    assert name == "vllm.model_executor.models.qwen2_vl"
     inert = vllm_shims._inert_video_processor_class()()
     assert inert.merge_size == 2 and "do_resize" in inert.valid_kwargs.__annotations__
     with pytest.raises(RuntimeError, match="torchvision"):

@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import sys
 import types
+from pathlib import Path
 
 _TV_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _applied = False
@@ -107,8 +108,10 @@ def _wrap_auto_video_processor() -> None:
 
 
 def _subprocess_command() -> list[str]:
+    """vLLM's registry child (`python -m vllm.model_executor.models.registry`), shims first."""
+    root = str(Path(__file__).resolve().parents[3])  # loomrl importable even when not installed
     return [sys.executable, "-c",
-            f"import {__name__} as s; s.apply(); "
+            f"import sys; sys.path.insert(0, {root!r}); import {__name__} as s; s.apply(); "
             "from vllm.model_executor.models.registry import _run; _run()"]
 
 
