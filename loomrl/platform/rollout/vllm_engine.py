@@ -69,6 +69,7 @@ def _set_vllm_env(cfg: VLLMConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if cfg.multiprocessing else "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the trainer's threads
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not an INFO line per weight sync
     # vLLM compiles a few kernels with inductor even when eager; keep that cache out of /tmp.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "loomrl", "torchinductor"))
@@ -89,9 +90,19 @@ def rpc_reload(worker, blob: bytes) -> int:
     arrive as lists when vLLM runs in its own process)."""
     from safetensors.torch import load
 
+    import logging
+
     tensors = load(blob)
     dtype = worker.model_runner.model_config.dtype
-    worker.model_runner.reload_weights(weights_iterator=((k, v.to(dtype)) for k, v in tensors.items()))
+    # Every reload warns "RotaryEmbedding: Failed to load weights": the rotary layer has no
+    # weights, only a cos/sin cache that vLLM puts back (log-probs after a sync are tested).
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        worker.model_runner.reload_weights(weights_iterator=((k, v.to(dtype)) for k, v in tensors.items()))
+    finally:
+        log.setLevel(level)
     return len(tensors)
 
 
