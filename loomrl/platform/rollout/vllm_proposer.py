@@ -29,6 +29,10 @@ def request_id(batch: int, prompt_index: int, sample: int) -> str:
 
 class NgramRLProposer:
     def __init__(self, vllm_config):
+        from loomrl.platform.rollout import vllm_shims
+
+        # built in vLLM's worker after its kernels are registered: sampled drafts verify exactly
+        vllm_shims.fix_spec_sampling()
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.drafter: Optional[NgramDrafter] = None
         self.runner = None
