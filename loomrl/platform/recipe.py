@@ -268,6 +268,12 @@ class RewardSourceConfig:
     with_prompt: bool = True
     """Score the (prompt text, completion) pair; false: the completion alone."""
 
+    def source_name(self) -> str:
+        """The name in the metrics: `name`, else the function's or the folder's name."""
+        if self.name:
+            return self.name
+        return self.fn.split(":")[-1] if self.fn else Path(self.model).resolve().name
+
 
 @dataclass
 class ImportanceConfig:
@@ -682,7 +688,7 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
             raise RecipeError(f"{key}.model: {r.model!r} is not a local transformers model folder (no config.json)")
         if r.batch_size <= 0 or r.max_length <= 0:
             raise RecipeError(f"{key}: batch_size and max_length must be positive")
-        name = r.name or (r.fn.split(":")[-1] if r.fn else Path(r.model).name)
+        name = r.source_name()
         if name in names:
             raise RecipeError(f"{key}: a second source named {name!r}; give each a distinct `name`")
         names.add(name)

@@ -33,7 +33,8 @@ def assign_advantages(algorithm, group_size: int, rewards: torch.Tensor, trajs: 
                 for t, k in zip(mb.trajectories, _rollout_kl(mb).sum(-1)):
                     kl[index[id(t)]] = k
             seq_rewards = seq_rewards - a.kl_coef * kl
-            stats["kl_reward_mean"] = float(kl.mean())
+            admitted = [index[id(t)] for mb in mbs for t in mb.trajectories]  # groups may be dropped
+            stats["kl_reward_mean"] = float(kl[admitted].mean())
         adv = group_advantages(seq_rewards, group_size, a.scale_rewards)
         for t, v in zip(trajs, adv.tolist()):
             t.advantage = v
@@ -59,7 +60,7 @@ def assign_advantages(algorithm, group_size: int, rewards: torch.Tensor, trajs: 
     stats["value_mean"] = float(sum((mb.values * mb.loss_mask).sum() for mb in mbs)) / tokens
     stats["return_mean"] = float(sum((mb.returns * mb.loss_mask).sum() for mb in mbs)) / tokens
     if kl_in_reward:
-        stats["kl_reward_mean"] = kl_sum / len(trajs)
+        stats["kl_reward_mean"] = kl_sum / sum(len(mb.trajectories) for mb in mbs)  # admitted ones
     if p.whiten_advantages:
         advs = whiten(advs, masks)
     for mb, adv in zip(mbs, advs):

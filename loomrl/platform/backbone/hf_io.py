@@ -64,8 +64,8 @@ def decoder_config(cfg: dict, where: str = "config.json") -> DecoderConfig:
         hidden, heads = t["hidden_size"], t["num_attention_heads"]
         if t.get("head_dim") not in (None, hidden // heads):
             raise ValueError(f"{where}: head_dim {t['head_dim']} != hidden_size / num_attention_heads")
-        # The head is tied unless the top level or the text config says otherwise (transformers'
-        # default for these families when the key is missing is untied).
+        # Untied unless the top level (or else the text config) says tie_word_embeddings: true,
+        # transformers' default for these families when the key is missing.
         tie = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False))
         mrope = rope.get("mrope_section")
         return DecoderConfig(

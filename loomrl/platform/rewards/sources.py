@@ -3,7 +3,6 @@ completion) or a learned reward model (scored in batches). Each source's scores 
 kept so the runner can report its mean every step."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -35,10 +34,10 @@ def build_sources(algorithm, device: torch.device | str = "cpu") -> list[Source]
     for i, r in enumerate(algorithm.rewards):
         if r.model is not None:
             model = RewardModel(r.model, device, r.batch_size, r.max_length, r.label, r.with_prompt)
-            sources.append(Source(r.name or os.path.basename(os.path.normpath(r.model)), r.weight, model=model))
+            sources.append(Source(r.source_name(), r.weight, model=model))
         else:
             fn = resolve_callable(r.fn, f"algorithm.rewards[{i}].fn")
-            sources.append(Source(r.name or r.fn.split(":")[-1], r.weight, fn=fn))
+            sources.append(Source(r.source_name(), r.weight, fn=fn))
     return sources
 
 
