@@ -9,6 +9,7 @@ the weight sync is a version bump; the seam is the same one vLLM plugs into.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import hashlib
 import json
@@ -447,7 +448,9 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
             critic = CriticParts(head=ValueHead(recipe.model.hidden_size))
             extra_models["value_head"] = critic.head
         else:
-            body = build_critic(model, lambda: build_policy(recipe.model, tokenizer, recipe.training.seed))
+            # the critic's weights are the policy's right after: no need to read init_from again
+            fresh = dataclasses.replace(recipe.model, init_from=None)
+            body = build_critic(model, lambda: build_policy(fresh, tokenizer, recipe.training.seed))
             critic = CriticParts(model=body, engine=TorchTrainEngine(body, recipe.training, lr=ppo.critic_lr))
             extra_models["critic"] = critic.model
     params = [p for p in model.parameters() if p.requires_grad]
