@@ -215,9 +215,9 @@ class VLLMConfig:
     max_model_len: int = 512
     """Longest prompt + completion vLLM accepts."""
     health_every: int = 0
-    """Every N RL steps, after the weight sync, compare vLLM's log-probs of that step's
-    rollouts with the trainer's forward under the new weights and log the mean |difference|
-    (`vllm_sync_logp_diff`; 0 = never)."""
+    """Every N RL steps, after the weight sync, sample two of that step's prompts again with
+    vLLM and compare its log-probs with the trainer's forward under the new weights; log the
+    mean |difference| (`vllm_sync_logp_diff`; 0 = never)."""
 
 
 @dataclass

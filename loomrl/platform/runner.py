@@ -236,6 +236,9 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
                    "plain_forwards": plain.forwards, "drafted_forwards": result.forwards}
     for r in result.rollouts:  # NgramRL: finished rollouts feed their prompt's draft history
         rollout.observe(samples[r.prompt_index].id, r.completion_ids)
+    # this step's drafting counters (vLLM's health check below generates again and resets them)
+    draft_stats = copy.copy(getattr(rollout, "last_stats", None))
+    spec_metrics = dict(getattr(rollout, "spec_metrics", {}))
 
     # reward_fn: the run's reward sources (loomrl.platform.rewards.sources), batched per source
     texts = [tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in result.rollouts]
@@ -358,7 +361,7 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
                     "value_clip_frac": critic_totals["value_clipped_tokens"] / tokens,
                     "critic_grad_norm": critic_totals["grad_norm"] / updates})
     if rollout.drafter is not None:
-        ds = rollout.last_stats
+        ds = draft_stats
         row.update({
             "draft_acceptance": sum(ds.accepted_by_pos) / max(1, sum(ds.drafted_by_pos)),
             "draft_acceptance_by_pos": [round(a, 4) for a in ds.acceptance_by_position()],
@@ -368,7 +371,7 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
         })
         if compare:
             row.update(compare)
-    row.update(getattr(rollout, "spec_metrics", {}))  # vLLM's own speculative-decoding counters
+    row.update(spec_metrics)  # vLLM's own speculative-decoding counters
     if sync_check is not None:
         row["vllm_sync_logp_diff"] = sync_check
     return row
