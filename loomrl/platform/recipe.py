@@ -748,6 +748,9 @@ def validate(r: Recipe) -> None:
         raise RecipeError(f"model.num_heads: rollout.engine=vllm needs a head size that is a multiple of 32; "
                           f"hidden_size {r.model.hidden_size} / num_heads {r.model.num_heads} = {head_dim} "
                           f"(e.g. model.num_heads={max(1, r.model.hidden_size // 32)})")
+    if r.rollout.engine == "vllm" and v.max_model_len <= r.rollout.max_new_tokens:
+        raise RecipeError(f"rollout.vllm.max_model_len: {v.max_model_len} leaves no room for the prompt "
+                          f"before rollout.max_new_tokens={r.rollout.max_new_tokens} generated tokens")
     if r.rollout.n < 2 and r.algorithm.name == "grpo":
         raise RecipeError("rollout.n: GRPO needs at least 2 samples per prompt")
     batch = r.training.prompts_per_step * r.rollout.n
