@@ -133,6 +133,9 @@ def load_policy(model, folder: str | Path) -> None:
                          f"{have} does not fit the recipe's model {want}")
     for name in ("rope_theta", "rms_norm_eps", "mrope_section"):
         setattr(dst.cfg, name, getattr(src.cfg, name))
+    for m in dst.modules():  # the norms copied their epsilon when built
+        if hasattr(m, "eps"):
+            m.eps = src.cfg.rms_norm_eps
     dst.load_state_dict(src.state_dict())
     model_type = read_config(folder)["model_type"]
     attach_towers(model, vision_folder=folder if model_type in ("qwen2_vl", "qwen2_5_vl") else None,

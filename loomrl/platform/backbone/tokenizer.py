@@ -1,8 +1,17 @@
 """Tokenizers: the demo's word-level tokenizer (built in code, no download) or a
-local Hugging Face tokenizer folder."""
+local Hugging Face tokenizer folder, and how each medium is written into a prompt.
+
+Shard prompts mark media with loomrl's markers `<image>` / `<audio>`, whatever the
+tokenizer. `media_layout` says which tokens replace a marker: the demo (and any
+tokenizer with no checkpoint config) has `<image>` / `<audio>` tokens of its own;
+a Qwen2-VL / Qwen2.5-VL checkpoint writes an image as `<|vision_start|>`, its
+placeholders (`image_token_id`), `<|vision_end|>`; Qwen2-Audio writes a clip as
+`<|audio_bos|>`, its placeholders (`audio_token_index`), `<|audio_eos|>`.
+"""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 IMAGE_MARKER = "<image>"
 AUDIO_MARKER = "<audio>"
@@ -30,8 +39,55 @@ def load_tokenizer(spec: str):
         return build_word_tokenizer(vocabulary())
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(Path(spec), local_files_only=True)
-    for marker in (IMAGE_MARKER, AUDIO_MARKER):
-        if tok.convert_tokens_to_ids(marker) in (None, tok.unk_token_id):
-            raise ValueError(f"tokenizer {spec}: has no {marker} token")
-    return tok
+    return AutoTokenizer.from_pretrained(Path(spec), local_files_only=True)
+
+
+class MediaTokens(NamedTuple):
+    """What one medium becomes in a prompt: `before`, placeholder x its token count, `after`."""
+
+    placeholder: int
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
+
+
+def _token_id(tokenizer, token: str) -> Optional[int]:
+    i = tokenizer.convert_tokens_to_ids(token)
+    return None if i is None or (i == tokenizer.unk_token_id and token != tokenizer.unk_token) else i
+
+
+def media_layout(tokenizer, hf_config: Optional[dict] = None,
+                 where: str = "config.json") -> dict[str, Optional[MediaTokens]]:
+    """MediaTokens for "image" and "audio"; None for a medium the model cannot read.
+
+    hf_config: the checkpoint's config.json (model.init_from). Its `image_token_id`
+    (+ `vision_start_token_id` / `vision_end_token_id`) or `audio_token_index` (+ the
+    tokenizer's `<|audio_bos|>` / `<|audio_eos|>`) decide; a checkpoint without a medium's
+    key cannot read that medium. Without a config (or a text-only Qwen2 one), the
+    tokenizer's own `<image>` / `<audio>` tokens are the placeholders."""
+    n = len(tokenizer)
+
+    def checked(key: str, i) -> int:
+        if not isinstance(i, int) or not 0 <= i < n:
+            raise ValueError(f"{where}: {key} = {i!r} is not a token of the tokenizer ({n} tokens)")
+        return i
+
+    if hf_config is not None and hf_config.get("model_type") != "qwen2":
+        image = audio = None
+        if "image_token_id" in hf_config:
+            image = MediaTokens(
+                checked("image_token_id", hf_config["image_token_id"]),
+                tuple(checked(k, hf_config[k]) for k in ("vision_start_token_id",) if k in hf_config),
+                tuple(checked(k, hf_config[k]) for k in ("vision_end_token_id",) if k in hf_config))
+        if "audio_token_index" in hf_config:
+            bos, eos = _token_id(tokenizer, "<|audio_bos|>"), _token_id(tokenizer, "<|audio_eos|>")
+            audio = MediaTokens(checked("audio_token_index", hf_config["audio_token_index"]),
+                                () if bos is None else (bos,), () if eos is None else (eos,))
+        return {"image": image, "audio": audio}
+    out: dict[str, Optional[MediaTokens]] = {}
+    for kind, marker in (("image", IMAGE_MARKER), ("audio", AUDIO_MARKER)):
+        i = _token_id(tokenizer, marker)
+        out[kind] = None if i is None else MediaTokens(i)
+    if out["image"] is None and out["audio"] is None:
+        raise ValueError(f"tokenizer has neither {IMAGE_MARKER} nor {AUDIO_MARKER} token, and model.init_from "
+                         "names no checkpoint whose config.json gives the media tokens")
+    return out

@@ -1,9 +1,15 @@
 """The Qwen-VL-style policy: vision tower + audio tower + projector + Qwen2 decoder.
 
 Prompts carry `<image>` / `<audio>` markers; `prompt_ids` expands each marker
-into as many placeholder tokens as the medium's encoding has, and `embed`
+into the model's media tokens (`tokenizer.media_layout`: the demo's own marker
+token, or a checkpoint's `<|vision_start|>` + placeholders + `<|vision_end|>`)
+with as many placeholder tokens as the medium's encoding has, and `embed`
 splices the encodings into those positions (row-major, as transformers'
 Qwen2-VL does with masked_scatter), so gradients reach the encoders.
+
+With `model.init_from` the vocabulary is the checkpoint's (its embedding may have
+more rows than the tokenizer has tokens; those rows are never sampled nor scored),
+and a decoder with M-RoPE gets (t, h, w) positions for image tokens (`mrope.py`).
 
 `encode` runs the towers once per distinct medium (loomrl.encoders.cache):
 requests without a gradient through the towers (rollouts, old/reference
@@ -12,7 +18,8 @@ content hash, preprocessing, tower identity and weights version.
 """
 from __future__ import annotations
 
-from typing import Union
+import re
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +31,8 @@ from loomrl.encoders.media import Medium, settings_fingerprint
 from loomrl.encoders.vision import build_vision_tower, encode_images, num_image_tokens
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, KVCache
 from loomrl.platform.backbone.rounding import Regions
-from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER
+from loomrl.platform.backbone.mrope import rope_index
+from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER, media_layout
 from loomrl.platform.recipe import ModelConfig
 
 # Encodings for `embed`: by Medium.key (deduplicated), or one per media placement, row-major (naive).
@@ -38,16 +46,33 @@ def weights_version(module: nn.Module) -> int:
 
 
 class VLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tokenizer):
+    def __init__(self, cfg: ModelConfig, tokenizer, hf_config: Optional[dict] = None):
+        """hf_config: config.json of the checkpoint the weights will come from (model.init_from):
+        it gives the vocabulary size and the media tokens."""
         super().__init__()
         self.cfg = cfg
-        self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_MARKER)
-        self.audio_token_id = tokenizer.convert_tokens_to_ids(AUDIO_MARKER)
+        where = f"{cfg.init_from}/config.json"
+        self.media_tokens_of = media_layout(tokenizer, hf_config, where)  # kind -> MediaTokens | None
+        image, audio = self.media_tokens_of["image"], self.media_tokens_of["audio"]
+        # None: the model cannot read that medium (a prompt using it is refused)
+        self.image_token_id = image.placeholder if image else None
+        self.audio_token_id = audio.placeholder if audio else None
         self.pad_token_id = tokenizer.pad_token_id
         self.eos_token_id = tokenizer.eos_token_id
+        vocab_size = len(tokenizer)
+        if hf_config is not None:
+            from loomrl.platform.backbone.hf_io import decoder_config
+
+            vocab_size = decoder_config(hf_config, where).vocab_size
+            if vocab_size < len(tokenizer):
+                raise ValueError(f"{where}: vocab_size {vocab_size} is smaller than the tokenizer "
+                                 f"{cfg.tokenizer!r} ({len(tokenizer)} tokens)")
         # Never generated, by the rollout engine and in the trainer's log-probs alike, so
-        # both see the same distribution: padding, unknown and media placeholders.
-        banned = {self.pad_token_id, tokenizer.unk_token_id, self.image_token_id, self.audio_token_id}
+        # both see the same distribution: padding, unknown, media placeholders, and the
+        # embedding rows a checkpoint pads its vocabulary with (no token has them). Never
+        # end-of-sequence, which Qwen tokenizers may also use as padding.
+        banned = {self.pad_token_id, tokenizer.unk_token_id, self.image_token_id, self.audio_token_id,
+                  *range(len(tokenizer), vocab_size)} - {self.eos_token_id}
         self.register_buffer("banned_token_ids", torch.tensor(sorted(i for i in banned if i is not None)),
                              persistent=False)
         self.visual = build_vision_tower(cfg.vision, cfg.hidden_size, cfg.init_std)
@@ -55,7 +80,7 @@ class VLM(nn.Module):
         # Qwen2-Audio's multi_modal_projector.linear: audio width -> backbone width.
         self.audio_projector = nn.Linear(cfg.audio.d_model, cfg.hidden_size)
         self.language_model = Decoder(DecoderConfig(
-            vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+            vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             intermediate_size=cfg.intermediate_size, rope_theta=cfg.rope_theta,
             rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
@@ -89,19 +114,24 @@ class VLM(nn.Module):
         return num_audio_tokens(self.cfg.audio)
 
     def prompt_ids(self, tokenizer, text: str, media: list[Medium]) -> list[int]:
-        """Token ids of a prompt with each marker expanded to its medium's token count."""
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        markers = [i for i in ids if i in (self.image_token_id, self.audio_token_id)]
-        kinds = ["image" if i == self.image_token_id else "audio" for i in markers]
+        """Token ids of a prompt with each `<image>` / `<audio>` marker replaced by the model's
+        tokens for that medium, placeholders repeated to the medium's token count. The text
+        between markers is tokenized piece by piece, as around any special token."""
+        pieces = re.split(f"({re.escape(IMAGE_MARKER)}|{re.escape(AUDIO_MARKER)})", text)
+        kinds = ["image" if p == IMAGE_MARKER else "audio" for p in pieces[1::2]]
         if kinds != [m.kind for m in media]:
             raise ValueError(f"prompt markers {kinds} do not match its media {[m.kind for m in media]}")
-        out, k = [], 0
-        for i in ids:
-            if i in (self.image_token_id, self.audio_token_id):
-                out.extend([i] * self.media_tokens(media[k]))
-                k += 1
-            else:
-                out.append(i)
+        for kind in dict.fromkeys(kinds):
+            if self.media_tokens_of[kind] is None:
+                raise ValueError(f"the prompt has {kind} but the model has no {kind} token "
+                                 f"(model.init_from={self.cfg.init_from!r}, model.tokenizer={self.cfg.tokenizer!r})")
+        out: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                spec = self.media_tokens_of[kinds[k // 2]]
+                out += [*spec.before, *[spec.placeholder] * self.media_tokens(media[k // 2]), *spec.after]
+            elif piece:
+                out += tokenizer(piece, add_special_tokens=False)["input_ids"]
         return out
 
     # ------------------------------------------------------------------ encoders
@@ -175,7 +205,7 @@ class VLM(nn.Module):
     def embed(self, input_ids: torch.Tensor, row_media: list[list[Medium]],
               encodings: MediaEncodings) -> torch.Tensor:
         """Token embeddings with media encodings spliced into the placeholder positions."""
-        is_media = (input_ids == self.image_token_id) | (input_ids == self.audio_token_id)
+        is_media = self.is_placeholder(input_ids)
         embeds = self.language_model.embed(input_ids)
         if isinstance(encodings, list):
             flat = encodings
@@ -188,15 +218,37 @@ class VLM(nn.Module):
             raise ValueError(f"{int(is_media.sum())} media placeholders but {flat.shape[0]} media tokens")
         return embeds.masked_scatter(is_media[..., None], flat)
 
+    def is_placeholder(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Where input_ids holds a media placeholder token (bool, same shape)."""
+        ids = [i for i in (self.image_token_id, self.audio_token_id) if i is not None]
+        return torch.isin(input_ids, torch.tensor(ids, dtype=input_ids.dtype, device=input_ids.device))
+
     # ------------------------------------------------------------------ forward
 
+    def position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     row_media: list[list[Medium]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Positions of whole sequences and the per-row offset [B] that tokens appended later
+        add to their count (None without M-RoPE). Plain RoPE: [B, T], counting only real
+        tokens, so left padding does not shift it. M-RoPE (the decoder has mrope_section):
+        [3, B, T], image tokens at their (t, h, w) grid positions (transformers' get_rope_index)."""
+        if self.language_model.cfg.mrope_section is None or self.image_token_id is None:
+            return (attention_mask.long().cumsum(-1) - 1).clamp(min=0), None
+        grids = [[m.grid for m in row if m.kind == "image"] for row in row_media]
+        return rope_index(input_ids, attention_mask, grids, self.image_token_id,
+                          self.cfg.vision.spatial_merge_size)
+
     def forward_embeds(self, embeds: torch.Tensor, attention_mask: torch.Tensor,
-                       cache: KVCache | None = None):
-        """Logits for embeddings. attention_mask covers past + new tokens; positions
-        count only real tokens, so left padding does not shift RoPE."""
-        t = embeds.shape[1]
-        positions = attention_mask.long().cumsum(-1)[:, -t:] - 1
-        return self.language_model(embeds, positions.clamp(min=0), attention_mask.bool(), cache)
+                       cache: KVCache | None = None, positions: Optional[torch.Tensor] = None,
+                       rope_deltas: Optional[torch.Tensor] = None):
+        """Logits for embeddings. attention_mask covers past + new tokens. positions: from
+        `position_ids` (whole sequences); otherwise each new token's index among its row's
+        real tokens, plus rope_deltas [B] (`position_ids`' offset, for M-RoPE decoding)."""
+        if positions is None:
+            t = embeds.shape[1]
+            positions = (attention_mask.long().cumsum(-1)[:, -t:] - 1).clamp(min=0)
+            if rope_deltas is not None:
+                positions = positions + rope_deltas[:, None]
+        return self.language_model(embeds, positions, attention_mask.bool(), cache)
 
     def sequence_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           row_media: list[list[Medium]], temperature: float = 1.0,
@@ -212,7 +264,9 @@ class VLM(nn.Module):
         hook = (self.language_model.lm_head.register_forward_pre_hook(lambda m, args: hidden.append(args[0]))
                 if return_hidden else None)
         try:
-            logits, _ = self.forward_embeds(self.embed(input_ids, row_media, encodings), attention_mask)
+            positions, _ = self.position_ids(input_ids, attention_mask, row_media)
+            logits, _ = self.forward_embeds(self.embed(input_ids, row_media, encodings), attention_mask,
+                                            positions=positions)
         finally:
             if hook is not None:
                 hook.remove()
@@ -237,9 +291,11 @@ class VLM(nn.Module):
 def build_policy(cfg: ModelConfig, tokenizer, seed: int) -> VLM:
     """The policy: randomly initialised from `seed`, then loaded from `cfg.init_from` if set."""
     torch.manual_seed(seed)
-    model = VLM(cfg, tokenizer)
-    if cfg.init_from is not None:
-        from loomrl.platform.backbone.hf_io import load_policy
+    if cfg.init_from is None:
+        return VLM(cfg, tokenizer)
+    from loomrl.encoders.hf_checkpoint import read_config
+    from loomrl.platform.backbone.hf_io import load_policy
 
-        load_policy(model, cfg.init_from)
+    model = VLM(cfg, tokenizer, read_config(cfg.init_from))
+    load_policy(model, cfg.init_from)
     return model

@@ -131,7 +131,10 @@ class TorchRolloutEngine:
         row_media = [prompts[pi].media for pi, _ in rows]
         encodings = model.encode_media([m for p in prompts for m in p.media])
         ids, mask = left_pad([prompts[pi].ids for pi, _ in rows], model.pad_token_id)
-        logits, cache = model.forward_embeds(model.embed(ids, row_media, encodings), mask)
+        # M-RoPE: image tokens take (t, h, w) positions; generated tokens continue from the
+        # prompt's largest position + 1 (rope_deltas), as in transformers' Qwen2-VL
+        positions, rope_deltas = model.position_ids(ids, mask, row_media)
+        logits, cache = model.forward_embeds(model.embed(ids, row_media, encodings), mask, positions=positions)
         forwards = 1
         report_t = params.temperature if params.temperature > 0 else 1.0
         logp = model.token_logprobs(logits[:, -1], report_t)
@@ -164,7 +167,8 @@ class TorchRolloutEngine:
             mask = torch.cat([mask, step_mask], dim=1)
             col0 = mask.shape[1] - width
             future = self._pool.submit(self._prefetch, states, dict(drafts), k) if self._pool and drafts else None
-            logits, cache = model.forward_embeds(model.language_model.embed(step_ids), mask, cache)
+            logits, cache = model.forward_embeds(model.language_model.embed(step_ids), mask, cache,
+                                                 rope_deltas=rope_deltas)
             forwards += 1
             logp = model.token_logprobs(logits, report_t)                       # [B, W, V]
             probs = target_probs(logp, params.temperature, params.top_p)
