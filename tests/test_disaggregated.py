@@ -22,9 +22,22 @@ def run_cli(tmp_path, demo_shards, extra, env=None):
     return p, out
 
 
+def single_stream_ids(demo_shards, k):
+    """The first k prompt ids of a one-process stream of the demo recipe's shards and seed."""
+    from loomrl.datasets.stream import ShardStream
+    from loomrl.platform import recipe as R
+
+    d, _ = demo_shards
+    r = R.load_recipe("recipes/demo.yaml", [f"data.shards={d}/*.tar", "data.demo=null"])
+    stream = iter(ShardStream(R.expand_pattern(r.data.shards), shuffle_buffer=r.data.shuffle_buffer,
+                              seed=r.data.seed, rank=0, world_size=1))
+    return [next(stream)["id"] for _ in range(k)]
+
+
 @pytest.mark.parametrize("admission", ["mini_batch"])
 def test_three_process_run_logs_staleness(tmp_path, demo_shards, admission):
-    p, out = run_cli(tmp_path, demo_shards, ["training.steps=3", f"pipeline.admission={admission}"])
+    p, out = run_cli(tmp_path, demo_shards, ["training.steps=3", f"pipeline.admission={admission}",
+                                             "checkpoint.every=2", "checkpoint.keep_last=5"])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -41,6 +54,15 @@ def test_three_process_run_logs_staleness(tmp_path, demo_shards, admission):
     assert summary["error"] is None and acc["pending"] == 0
     assert acc["generated"] == acc["trained"] + acc["dropped"]
     assert "staleness" in p.stdout
+    # the trainer reads every sample of the stream (not rank 0's share of the gloo group): the 12
+    # trained prompts are distinct and come from the first 12 + 4 (back-pressure: in flight at the end)
+    trained = [i for r in rows for i in r["prompt_ids"]]
+    first = single_stream_ids(demo_shards, 3 * 4 + 4)
+    assert len(trained) == 3 * 4 and len(set(trained)) == len(trained) and set(trained) <= set(first), \
+        (trained, first)
+    assert set(first[:4]) <= set(trained)  # the oldest groups are admitted first
+    # checkpoint.every=2: a periodic checkpoint at RL step 2 besides the final one at 3
+    assert sorted(x.name for x in (out / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
 
 
 def test_a_dead_rollout_worker_is_reported_and_nothing_is_lost(tmp_path, demo_shards):
@@ -54,3 +76,25 @@ def test_a_dead_rollout_worker_is_reported_and_nothing_is_lost(tmp_path, demo_sh
     assert acc["generated"] == acc["trained"] + acc["dropped"] + acc["pending"]
     assert disp["requeued"] >= 1 and disp["dispatched"] == disp["completed"]  # nothing left in flight
     assert (out / "checkpoints").is_dir()
+
+
+def test_a_bad_message_is_a_worker_failure(tmp_path, demo_shards):
+    """Rank 2's first result has a tensor whose shape does not match its bytes: the trainer
+    reports rank 2 as failed, re-queues its prompt and finishes with rank 1."""
+    p, out = run_cli(tmp_path, demo_shards, ["training.steps=2", "pipeline.on_worker_death=continue"],
+                     env={"LOOMRL_BAD_MESSAGE_RANK": "2"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "rollout worker rank 2 died (sent a bad message: transport: tensor 'bad' of shape [4]" in p.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    acc, disp = summary["trajectories"], summary["dispatch"]
+    assert summary["error"] is None and summary["steps"] == 2
+    assert disp["requeued"] >= 1 and acc["trained"] == 2 * 4 * 4
+    assert acc["generated"] == acc["trained"] + acc["dropped"] + acc["pending"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["rollout_workers_live"] == 1
+
+
+def test_unsupported_recipe_fields_are_refused(tmp_path, demo_shards):
+    for key in ("algorithm.epochs=2", "logging.mismatch_every=5"):
+        p, _ = run_cli(tmp_path, demo_shards, ["training.steps=1", key])
+        assert p.returncode != 0 and key.split("=")[0] in p.stderr, p.stderr[-2000:]

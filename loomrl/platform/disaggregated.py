@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from loomrl.platform import faults
 from loomrl.platform import recipe as R
-from loomrl.platform.trajectory.transport import Channel, MediaLedger, pack, unpack, unpack_media
+from loomrl.platform.trajectory.transport import (MAX_MESSAGE_BYTES, Channel, MediaLedger, pack, unpack,
+                                                  unpack_media)
 
 EXIT_FILE = "exit_code"
 
@@ -58,6 +59,13 @@ def launch(recipe_path: str, overrides: list[str], out: Path) -> int:
             raise R.RecipeError(f"{key}: {value!r} is not supported with pipeline.mode=disaggregated yet (only {ok!r})")
     if recipe.algorithm.kl_coef > 0:
         raise R.RecipeError("algorithm.kl_coef: a KL reference is not supported with pipeline.mode=disaggregated yet")
+    if recipe.algorithm.epochs != 1:
+        raise R.RecipeError(f"algorithm.epochs: {recipe.algorithm.epochs} is not supported with "
+                            "pipeline.mode=disaggregated yet (only 1)")
+    if recipe.logging.mismatch_every:
+        raise R.RecipeError("logging.mismatch_every: the rounding mismatch probe is not supported with "
+                            "pipeline.mode=disaggregated yet (only 0)")
+    # rollout.drafter.compare_every is ignored here: workers time no plain reference run
     out.mkdir(parents=True, exist_ok=True)
     (out / EXIT_FILE).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -88,9 +96,13 @@ def rollout_role(recipe: R.Recipe, rank: int) -> None:
     ro = recipe.rollout
     params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
     generator = torch.Generator().manual_seed(recipe.training.seed + 1000 * rank)
-    ch = Channel()
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    ch = Channel(MAX_MESSAGE_BYTES + weight_bytes)  # the trainer's weights come as one message
     known: dict = {}  # media this worker was sent, by key
     kill_here = os.environ.get("LOOMRL_KILL_RANK", str(rank)) == str(rank)
+    # fault injection for the tests: this rank's first result carries a tensor whose shape
+    # does not match its bytes
+    corrupt = os.environ.get("LOOMRL_BAD_MESSAGE_RANK") == str(rank)
     while True:
         meta, tensors = unpack(ch.recv(0))
         if meta["kind"] == "stop":
@@ -108,13 +120,24 @@ def rollout_role(recipe: R.Recipe, rank: int) -> None:
             engine.observe(prompts[r.prompt_index].id, r.completion_ids)
         for i, j in enumerate(jobs):
             rows = [r for r in result.rollouts if r.prompt_index == i]
-            ch.send(pack({"kind": "result", "key": j["key"], "version": engine.version,
-                          "seconds": result.seconds / len(jobs),
-                          "rollouts": [{"ids": r.completion_ids, "logp": r.logprobs, "finish": r.finish_reason}
-                                       for r in rows]}), 0)
+            buf = pack({"kind": "result", "key": j["key"], "version": engine.version,
+                        "seconds": result.seconds / len(jobs),
+                        "rollouts": [{"ids": r.completion_ids, "logp": r.logprobs, "finish": r.finish_reason}
+                                     for r in rows]}, {"bad": torch.zeros(3)} if corrupt else None)
+            if corrupt:  # same header length: shape [3] -> [4]
+                corrupt = False
+                buf = pack_tampered(buf, b'"bad", "float32", [3]', b'"bad", "float32", [4]')
+            ch.send(buf, 0)
         ch.flush()
     ch.flush()
     engine.shutdown()
+
+
+def pack_tampered(buf: torch.Tensor, old: bytes, new: bytes) -> torch.Tensor:
+    """A packed message with `old` replaced by `new` (same length) in its bytes (fault injection)."""
+    raw = bytes(buf.tolist()).replace(old, new, 1)
+    assert len(new) == len(old) and raw != bytes(buf.tolist()), "pack_tampered: nothing replaced"
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 # --------------------------------------------------------------------------- trainer role
@@ -122,6 +145,19 @@ def rollout_role(recipe: R.Recipe, rank: int) -> None:
 
 class WorkerDied(RuntimeError):
     pass
+
+
+def _bad_result(meta: dict) -> str:
+    """What is wrong with a worker's result header ('' = nothing)."""
+    if meta.get("kind") != "result" or not isinstance(meta.get("key"), str):
+        return f"kind/key {meta.get('kind')!r}/{meta.get('key')!r} is not a result"
+    if not isinstance(meta.get("version"), int) or not isinstance(meta.get("rollouts"), list):
+        return f"result {meta['key']!r} lacks an integer 'version' or a 'rollouts' list"
+    for i, r in enumerate(meta["rollouts"]):
+        ok = isinstance(r, dict) and isinstance(r.get("ids"), list) and isinstance(r.get("logp"), list)
+        if not ok or len(r["ids"]) != len(r["logp"]) or not all(isinstance(t, int) for t in r["ids"]):
+            return f"result {meta['key']!r}: rollouts[{i}] needs token 'ids' and as many 'logp'"
+    return ""
 
 
 def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
@@ -146,8 +182,9 @@ def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
     configure_torch(recipe.training)
     tokenizer = load_tokenizer(recipe.model.tokenizer)
     model = build_policy(recipe.model, tokenizer, recipe.training.seed)
+    # rank 0 of the gloo group, but the only reader of the prompts: it must see every sample
     source = PromptSource(ShardStream(shard_files(recipe), shuffle_buffer=recipe.data.shuffle_buffer,
-                                      seed=recipe.data.seed), model, tokenizer, recipe.model)
+                                      seed=recipe.data.seed, rank=0, world_size=1), model, tokenizer, recipe.model)
     reward_sources = build_sources(recipe.algorithm)
     (out / "recipe.yaml").write_text(R.dump(recipe))
     for name in ("metrics.jsonl", "warmup.jsonl"):
@@ -166,6 +203,8 @@ def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
     signal.signal(signal.SIGTERM, lambda s, f: stop_signal.append(s))
     version, step, serial = 0, 0, 0
     live = list(workers)
+    rejected: list[int] = []  # workers declared failed for a bad message (still running)
+    by_source: dict[str, dict[str, list[float]]] = {}  # group key -> reward source -> scores
     last_heard = {w: time.monotonic() for w in workers}
     for w in workers:
         ch.receive_in_background(w)
@@ -198,11 +237,15 @@ def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
         last_heard[w] = time.monotonic()
 
     def receive(w: int, buf: torch.Tensor) -> dict:
+        """A worker's result into the store; ValueError when the message is malformed."""
         meta, _ = unpack(buf)
+        why = _bad_result(meta)
+        if why:
+            raise ValueError(f"transport: {why}")
         job = disp.complete(w, meta["key"])
         s = job.prompt
         texts = [tokenizer.decode(r["ids"], skip_special_tokens=True) for r in meta["rollouts"]]
-        rewards, _ = score(reward_sources, texts, [s.record] * len(texts))
+        rewards, by_source[job.key] = score(reward_sources, texts, [s.record] * len(texts))
         now = time.perf_counter()
         for r, reward in zip(meta["rollouts"], rewards):
             store.put(Trajectory(s.id, 0, s.ids, r["ids"], s.media, r["logp"], float(reward), meta["version"]),
@@ -217,6 +260,11 @@ def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
         if pl.on_worker_death == "stop" or not live:
             raise WorkerDied(f"rollout worker rank {w} died ({why})")
 
+    def bad_message(w: int, e: ValueError) -> None:
+        """A malformed message: the worker is treated as failed (and told to stop at the end)."""
+        rejected.append(w)
+        worker_died(w, f"sent a bad message: {str(e).splitlines()[0][:200]}")
+
     def poll(wait_s: float = 0.0) -> list[dict]:
         """Results that arrived (waiting up to wait_s for the first); dead workers handled."""
         got = []
@@ -227,10 +275,17 @@ def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
                 break
             if w not in live:
                 continue
+            if isinstance(msg, ValueError):  # Channel.recv refused the declared size
+                bad_message(w, msg)
+                continue
             if isinstance(msg, Exception):
                 worker_died(w, f"connection failed: {str(msg).splitlines()[0][:120]}")
                 continue
-            got.append(receive(w, msg))
+            try:
+                got.append(receive(w, msg))
+            except ValueError as e:
+                bad_message(w, e)
+                continue
             last_heard[w] = time.monotonic()
         for w in list(live):
             if disp.busy(w) and time.monotonic() - last_heard[w] > pl.worker_timeout_s:
@@ -239,11 +294,21 @@ def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
             raise WorkerDied(f"signal {stop_signal[0]} (torchrun stops every rank when one fails)")
         return got
 
+    def checkpoint() -> tuple[Path, dict]:
+        """Weights, optimizer and the books at the current RL step (resume is not supported yet)."""
+        state = {"step": step, "data": source.state(), "trajectories": store.accounting(),
+                 "recipe": R.to_dict(recipe),
+                 "dispatch": {"dispatched": disp.dispatched, "completed": disp.completed,
+                              "requeued": disp.requeue_count, "waiting": len(disp.requeued)}}
+        return save_checkpoint(out / "checkpoints", step, model, engine.state_dict(), state,
+                               recipe.checkpoint.keep_last), state
+
     rows: list[dict] = []
     error = None
     send_weights()
     try:
         ready_q: list = []
+        laid_out = None  # the admitted mini-batch whose layout the prefetcher is building
         while step < tr.steps:
             t_step = time.perf_counter()
             idle = 0.0
@@ -252,6 +317,8 @@ def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
             totals: dict[str, float] = {}
             results: list[dict] = []
             rewards_seen: list[float] = []
+            source_scores: dict[str, list[float]] = {}
+            prompt_ids: list[str] = []
             bytes_dedup = bytes_naive = 0
             for k in range(tr.mini_batches):
                 while not ready_q:  # wait for admission, generating meanwhile
@@ -265,8 +332,15 @@ def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
                     idle += time.perf_counter() - t_wait
                 groups = ready_q.pop(0)
                 trajs = [t for g in groups for t in g.trajectories]
-                prefetch.submit(trajs)
+                if laid_out is None:  # not prefetched: lay it out now
+                    prefetch.submit(trajs)
                 mbs = prefetch.get()
+                if not ready_q:  # is the next mini-batch (trained by version + 1) ready already?
+                    results += poll()
+                    ready_q += admit(store, pl.admission, quota, version + 1, time.perf_counter())
+                laid_out = ready_q[0] if ready_q else None
+                if laid_out is not None:  # its layout overlaps this mini-batch's training
+                    prefetch.submit([t for g in laid_out for t in g.trajectories])
                 assign_advantages(a, ro.n, torch.tensor([t.reward for t in trajs]), trajs, mbs)
                 shared = SharedEncodings(model) if model.cfg.encoders.dedup else None
                 faults.current_step = step
@@ -274,6 +348,10 @@ def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
                 st += staleness(groups, version)
                 waits += [g.admitted_at - g.ready_at for g in groups]
                 rewards_seen += [t.reward for t in trajs]
+                prompt_ids += [g.trajectories[0].prompt_id for g in groups]
+                for g in groups:
+                    for name, v in by_source.pop(g.key, {}).items():
+                        source_scores.setdefault(name, []).extend(v)
                 mt = media_transfer(trajs)
                 bytes_dedup, bytes_naive = bytes_dedup + mt.bytes_dedup, bytes_naive + mt.bytes_naive
                 for key, v in stats.items():
@@ -299,13 +377,18 @@ def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
                 "media_bytes_sent_to_workers": ledger.bytes_sent, "media_bytes_naive_to_workers": ledger.bytes_naive,
                 "rollout_workers_live": len(live), "prompts_requeued": disp.requeue_count,
                 **{f"trajectories_{k}": v for k, v in acc.items() if k != "dropped_by_reason"},
+                "prompt_ids": sorted(prompt_ids),  # the prompts trained this step (admission order varies)
             }
+            if len(source_scores) > 1 or a.rewards:
+                row.update({f"reward_{name}_mean": sum(v) / len(v) for name, v in source_scores.items()})
             rows.append(row)
             log.log(row)
             print(f"[step {step:4d}] reward {row['reward_mean']:.3f}  staleness {row['staleness_mean']:.2f} "
                   f"(max {row['staleness_max']})  trainer idle {row['trainer_idle_frac']:.2f}  "
                   f"step {step_s:.2f}s", flush=True)
             step += 1
+            if recipe.checkpoint.every and step % recipe.checkpoint.every == 0 and step < tr.steps:
+                checkpoint()
         # drain: results still in flight are received (and accounted) before the workers stop
         deadline = time.monotonic() + pl.worker_timeout_s
         while disp.outstanding and live and time.monotonic() < deadline:
@@ -317,15 +400,12 @@ def trainer_role(recipe: R.Recipe, out: Path, workers: list[int]) -> int:
     finally:
         prefetch.close()
         log.close()
-    for w in live:
+    for w in live + rejected:
         ch.send(pack({"kind": "stop"}), w)
     store.drop_all("run_stopped" if error else "run_ended")
     store.check()
     acc = store.accounting()
-    state = {"step": step, "data": source.state(), "trajectories": acc, "recipe": R.to_dict(recipe),
-             "dispatch": {"dispatched": disp.dispatched, "completed": disp.completed,
-                          "requeued": disp.requeue_count, "waiting": len(disp.requeued)}}
-    path = save_checkpoint(out / "checkpoints", step, model, engine.state_dict(), state, recipe.checkpoint.keep_last)
+    path, state = checkpoint()
     goal_met, goal_text = goal_check(rows, recipe.goal) if not error else (None, "")
     summary = {"steps": step, "wall_s": time.perf_counter() - t0, "goal_met": goal_met, "goal": goal_text,
                "error": error, "trajectories": acc, "dispatch": state["dispatch"], "checkpoint": str(path)}

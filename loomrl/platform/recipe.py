@@ -471,8 +471,9 @@ class PipelineConfig:
     worker_timeout_s: float = 300.0
     """A rollout worker silent this long with work in flight is declared dead."""
     prefetch: bool = True
-    """Lay out the next mini-batch's micro-batches in a background thread while the
-    current one trains."""
+    """Disaggregated mode: lay out the next admitted mini-batch's micro-batches in a background
+    thread while the current one trains (the colocated loop lays out a step's mini-batches
+    together before training, as the old log-probs need them all)."""
 
 
 @dataclass

@@ -40,8 +40,8 @@ from loomrl.platform.engines.torch_engine import TorchTrainEngine
 from loomrl.platform.metrics import MetricsLog, read_metrics
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
-from loomrl.platform.trajectory.admission import admit_step
-from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, micro_batches, split
+from loomrl.platform.trajectory.admission import admit_step, staleness as admission_staleness
+from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, micro_batches
 from loomrl.platform.trajectory.layout import layout
 from loomrl.platform.trajectory.store import TrajectoryStore
 
@@ -308,9 +308,9 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
                                  max_new_tokens=ro.max_new_tokens), torch.Generator().manual_seed(step))[0]
     train_s = time.perf_counter() - t_train
     enc = model.encode_totals.since(enc_before)  # the trainer's encoder work this step
-    # optimizer steps the policy took between generating a trajectory and training on it
-    staleness = [k + trainer_version - t.version for k, groups in enumerate(admitted)
-                 for g in groups for t in g.trajectories]
+    # per consumed trajectory: mini-batch k of epoch e is trained by version trainer_version + e*M + k
+    staleness = [s for e in range(a.epochs) for k, groups in enumerate(admitted)
+                 for s in admission_staleness(groups, trainer_version + e * len(admitted) + k)]
     for groups in admitted:
         store.mark_trained(groups)
 
@@ -319,7 +319,7 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     row = {
         "step": step,
         "trajectories": len(trajs),
-        "trajectories_admitted": len(staleness),
+        "trajectories_admitted": sum(len(g.trajectories) for groups in admitted for g in groups),
         # which prompts this step trained on, so resumed and uninterrupted runs can be compared
         "prompt_digest": hashlib.sha1(" ".join(s.id for s in samples).encode()).hexdigest()[:16],
         "reward_mean": float(rewards.mean()),
@@ -337,7 +337,7 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
         "train_s": train_s,
         "step_s": time.perf_counter() - t_step,
         "policy_version": rollout.version,
-        "staleness_mean": sum(staleness) / len(staleness),  # 0 when colocated and synchronous
+        "staleness_mean": sum(staleness) / len(staleness),  # 0 only with one mini-batch and one epoch
         "staleness_max": max(staleness),
         "media_total": len(media) * ro.n,
         "media_unique": len(set(media)),

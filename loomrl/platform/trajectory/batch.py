@@ -62,10 +62,15 @@ def split(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def micro_batches(trajs: list[Trajectory], pad_id: int, micro_batch_size: int) -> list[MicroBatch]:
+def micro_batches(trajs: list[Trajectory], pad_id: int, micro_batch_size: int,
+                  rows: Optional[list[list[int]]] = None) -> list[MicroBatch]:
     """One mini-batch as its micro-batches, each loss normalised by the mini-batch's
-    completion tokens (so accumulated micro-batch losses add up to the mini-batch loss)."""
-    mbs = [collate(c, pad_id) for c in split(trajs, micro_batch_size)]
+    completion tokens (so accumulated micro-batch losses add up to the mini-batch loss).
+
+    rows: the indices of each micro-batch (`layout.plan`); None = consecutive chunks of
+    `micro_batch_size`."""
+    chunks = split(trajs, micro_batch_size) if rows is None else [[trajs[i] for i in idx] for idx in rows]
+    mbs = [collate(c, pad_id) for c in chunks]
     total = float(sum(mb.loss_mask.sum() for mb in mbs))
     for mb in mbs:
         mb.normaliser = total

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
-from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, collate
+from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, micro_batches
 
 
 def plan(lengths: list[int], micro_batch_size: int, tokens_per_micro_batch: int = 0) -> list[list[int]]:
@@ -41,17 +41,9 @@ def plan(lengths: list[int], micro_batch_size: int, tokens_per_micro_batch: int 
 
 def layout(trajs: list[Trajectory], pad_id: int, micro_batch_size: int,
            tokens_per_micro_batch: int = 0) -> list[MicroBatch]:
-    """One mini-batch as its micro-batches; each loss is normalised by the mini-batch's
-    completion tokens, so the accumulated micro-batch losses are the mini-batch loss."""
+    """One mini-batch as its micro-batches (`batch.micro_batches` with the packing `plan`)."""
     lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
-    mbs = [collate([trajs[i] for i in idx], pad_id) for idx in plan(lengths, micro_batch_size,
-                                                                     tokens_per_micro_batch)]
-    total = float(sum(mb.loss_mask.sum() for mb in mbs))
-    for mb in mbs:
-        mb.normaliser = total
-        if hasattr(mb, "sequences"):
-            mb.sequences = len(trajs)
-    return mbs
+    return micro_batches(trajs, pad_id, micro_batch_size, plan(lengths, micro_batch_size, tokens_per_micro_batch))
 
 
 @dataclass

@@ -7,12 +7,18 @@ the tensors' raw bytes. It crosses as two sends: its length (one int64), then th
 bytes. Decoding only reads JSON and raw bytes of an allowed dtype, so a hostile
 peer can send wrong numbers, never code.
 
+A receiver allocates at most `max_message_bytes` for one message (default
+`MAX_MESSAGE_BYTES`), and `unpack` checks every tensor's shape against its byte
+count before viewing it; both raise ValueError, which the trainer handles as a
+worker failure (reported, its prompts re-queued).
+
 Media cross once per content key: `MediaLedger` remembers which media a peer
 already holds, and `pack_media` sends the features of only the new ones.
 """
 from __future__ import annotations
 
 import json
+import math
 import queue
 import threading
 from typing import Optional
@@ -24,6 +30,10 @@ from loomrl.encoders.media import Medium
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                                       torch.int64, torch.int32, torch.uint8, torch.bool)}
+
+MAX_MESSAGE_BYTES = 1 << 28
+"""Largest message (bytes) a `Channel` accepts by default: 256 MiB, far above a result
+(completions + log-probs) or a work message; a receiver of weights passes its own cap."""
 
 
 def pack(meta: dict, tensors: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
@@ -40,6 +50,8 @@ def pack(meta: dict, tensors: Optional[dict[str, torch.Tensor]] = None) -> torch
 
 
 def unpack(buf: torch.Tensor) -> tuple[dict, dict[str, torch.Tensor]]:
+    if buf.numel() < 8:
+        raise ValueError(f"transport: a message of {buf.numel()} bytes has no header length")
     n = int(buf[:8].clone().view(torch.int64)[0])
     if not 0 <= n <= buf.numel() - 8:
         raise ValueError(f"transport: bad header length {n} in a message of {buf.numel()} bytes")
@@ -49,8 +61,15 @@ def unpack(buf: torch.Tensor) -> tuple[dict, dict[str, torch.Tensor]]:
     for name, dtype, shape, offset, nbytes in header["tensors"]:
         if dtype not in DTYPES:
             raise ValueError(f"transport: tensor {name!r} has a dtype that is not allowed: {dtype}")
-        if offset < 0 or offset + nbytes > body.numel():
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"transport: tensor {name!r} has a bad shape: {shape!r}")
+        if not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0 or nbytes < 0 \
+                or offset + nbytes > body.numel():
             raise ValueError(f"transport: tensor {name!r} lies outside the message")
+        want = math.prod(shape) * DTYPES[dtype].itemsize
+        if want != nbytes:
+            raise ValueError(f"transport: tensor {name!r} of shape {shape} and dtype {dtype} needs {want} bytes, "
+                             f"the message gives {nbytes}")
         raw = body[offset:offset + nbytes].clone()
         tensors[name] = raw.view(DTYPES[dtype]).view(shape) if nbytes else torch.empty(shape, dtype=DTYPES[dtype])
     return header["meta"], tensors
@@ -60,7 +79,8 @@ class Channel:
     """Sends and receives messages with byte counters. Sends are asynchronous (a peer that
     is busy generating does not block the trainer); `flush()` waits for them."""
 
-    def __init__(self):
+    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES):
+        self.max_message_bytes = max_message_bytes
         self.bytes_sent = 0
         self.bytes_received = 0
         self._pending: list = []
@@ -80,7 +100,11 @@ class Channel:
     def recv(self, src: int) -> torch.Tensor:
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, src)
-        buf = torch.empty(int(size[0]), dtype=torch.uint8)
+        n = int(size[0])
+        if not 0 <= n <= self.max_message_bytes:  # before allocating what the peer declares
+            raise ValueError(f"transport: rank {src} declared a message of {n} bytes "
+                             f"(accepted: 0..{self.max_message_bytes})")
+        buf = torch.empty(n, dtype=torch.uint8)
         dist.recv(buf, src)
         self.bytes_received += buf.numel() + 8
         return buf
