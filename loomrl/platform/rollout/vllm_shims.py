@@ -25,9 +25,9 @@ Qwen2-Audio needs none of this.
    each request's temperature over its drafted positions (`apply_sampling_constraints`), so when
    sampling the drafted positions' logits are divided by uninitialised memory: wrong log-probs
    (0.0 / NaN / -inf) and recovered tokens drawn from a wrong distribution. Greedy requests never
-   read it. The fix swaps in a plain-torch expand that writes `output` for any dtype. (With it, the other C++
-   fallbacks sample the target distribution: chi-square test in tests/test_vllm_engine.py. Their
-   acceptance test reads a float32 copy of vLLM's float64 uniform: at most 2^-25 off per draft.)
+   read it. The fix swaps in a plain-torch expand that writes `output` for any dtype. With it, the
+   other C++ fallbacks sample the target distribution (chi-square test in tests/test_vllm_engine.py);
+   their acceptance test reads a float32 copy of vLLM's float64 uniform: at most 2^-25 off per draft.
 """
 from __future__ import annotations
 
