@@ -158,7 +158,8 @@ def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_
     values = input_val.clone()
     values[input_val == replace_from] = replace_to
     n = int(cu[-1])
-    output[:n] = values.repeat_interleave(torch.diff(cu, prepend=cu.new_zeros(1)), output_size=n).to(output.dtype)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    output[:n] = values.repeat_interleave(counts, output_size=n).to(output.dtype)
 
 
 _EXPAND = "vllm.v1.sample.rejection_sampler.expand_kernel"
