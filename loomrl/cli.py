@@ -83,14 +83,11 @@ def cmd_run(args) -> int:
               file=sys.stderr)
         return 130
     if recipe.training.engine != "torch":
-        import shutil
-
         import torch.distributed as dist
 
         rank = dist.get_rank()
         engines_launch.finish()
-        if rank != 0:  # its scratch run folder; rank 0 reports
-            shutil.rmtree(result.out, ignore_errors=True)
+        if rank != 0:  # rank 0 alone writes the run folder and reports
             return 0
     print(result.summary, flush=True)
     return 3 if result.goal_met is False else 0

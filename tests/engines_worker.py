@@ -27,6 +27,7 @@ from loomrl.platform import recipe as R  # noqa: E402
 from loomrl.platform.backbone.tokenizer import load_tokenizer  # noqa: E402
 from loomrl.platform.backbone.vlm import build_policy  # noqa: E402
 from loomrl.platform.engines import launch  # noqa: E402
+from loomrl.platform.engines.base import allreduce_max, check_rank_agreement  # noqa: E402
 from loomrl.platform.engines.torch_engine import TorchTrainEngine  # noqa: E402
 from loomrl.platform.runner import grpo_loss_fn  # noqa: E402
 from loomrl.platform.trajectory.batch import Trajectory, micro_batches  # noqa: E402
@@ -42,7 +43,7 @@ def make_batches(recipe, policy, tokenizer, shard_dir):
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(0)
     vocab = [i for i in range(len(tokenizer)) if i not in set(policy.banned_token_ids.tolist())]
-    out = []
+    out, trajectories = [], []
     for _ in range(STEPS):
         trajs = []
         for g, s in enumerate(source.next(8)):
@@ -50,6 +51,7 @@ def make_batches(recipe, policy, tokenizer, shard_dir):
                 ids = [rng.choice(vocab) for _ in range(rng.randint(2, 6))]
                 trajs.append(Trajectory(s.id, g, s.ids, ids, s.media, [-rng.random() * 3 for _ in ids],
                                         0.0, 0, advantage=rng.uniform(-1, 1)))
+        trajectories.append(trajs)
         mbs = micro_batches(trajs, policy.pad_token_id, 8)
         # old log-probs near the initial policy's: the clipped ratio, hence the loss, then
         # depends on the weights each step trains
@@ -58,7 +60,7 @@ def make_batches(recipe, policy, tokenizer, shard_dir):
                 logp, _ = policy.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media)
                 mb.old_logp = logp + 0.05 * torch.randn(logp.shape, generator=gen)
         out.append(mbs)
-    return out
+    return out, trajectories
 
 
 def train(engine, batches, loss_fn, hook_for=None):
@@ -74,6 +76,23 @@ def train(engine, batches, loss_fn, hook_for=None):
     return rows
 
 
+def rank_agreement(trajs, rank) -> dict:
+    """The runner's per-step check that every rank holds the same rollouts: on equal
+    trajectories, and on rank 1 holding one other completion token (must raise on every rank)."""
+    same = check_rank_agreement(0, trajs)
+    other = copy.deepcopy(trajs)
+    if rank == 1:
+        other[-1].completion_ids[-1] += 1
+    try:
+        check_rank_agreement(7, other)
+        error = ""
+    except RuntimeError as e:
+        error = str(e)
+    flags = torch.tensor([int(same), int("RL step 7" in error)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # both ranks saw both outcomes
+    return {"same_checked": int(flags[0]), "differing_refused": int(flags[1]), "error": error}
+
+
 def main():
     which, shard_dir, out_path = sys.argv[1:4]
     launch.init_distributed()
@@ -82,9 +101,10 @@ def main():
     recipe.training.lr = 3e-3  # big enough that the steps move the weights visibly
     tokenizer = load_tokenizer("demo")
     policy = build_policy(recipe.model, tokenizer, seed=0)
-    batches = make_batches(recipe, policy, tokenizer, shard_dir)
+    batches, trajectories = make_batches(recipe, policy, tokenizer, shard_dir)
     loss_fn = grpo_loss_fn(recipe)
-    results = {}
+    results = {"agreement": rank_agreement(trajectories[0], rank),
+               "max_over_ranks": allreduce_max(0.5 + rank)}  # is_ratio_max's reduction
 
     ref = copy.deepcopy(policy)
     results["torch"] = train(TorchTrainEngine(ref, recipe.training), batches, loss_fn, hook_for=recipe)

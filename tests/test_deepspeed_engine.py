@@ -32,3 +32,15 @@ def test_zero_matches_torch_engine(results, stage):
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_zero_resume_is_exact(results, stage):
     assert results[stage + "_resumed"] == results[stage]
+
+
+def test_ranks_compare_their_rollouts(results):
+    # the runner's per-step check, all-gathered between the 2 real ranks: equal trajectories
+    # pass, one different completion token on rank 1 stops both ranks naming the step
+    agreement = results["agreement"]
+    assert agreement["same_checked"] == 1 and agreement["differing_refused"] == 1, agreement
+    assert "rank(s) [1]" in agreement["error"]
+
+
+def test_is_ratio_max_is_the_largest_over_ranks(results):
+    assert results["max_over_ranks"] == 1.5  # rank 0 held 0.5, rank 1 held 1.5

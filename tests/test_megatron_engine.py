@@ -7,6 +7,7 @@ import torch
 
 from _engine_runs import assert_matches, run_worker
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
+from loomrl.platform.engines.base import check_rank_agreement, compare_digests, trajectory_digest
 from loomrl.platform.engines.megatron_convert import Dims, hf_to_megatron, megatron_to_hf
 
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -66,3 +67,30 @@ def test_tp2_matches_tp1(results):
 @pytest.mark.parametrize("layout", ["tp2", "tp1"])
 def test_megatron_resume_is_exact(results, layout):
     assert results[layout + "_resumed"] == results[layout]
+
+
+def _traj(prompt, completion, reward):
+    from loomrl.platform.trajectory.batch import Trajectory
+
+    return Trajectory("p", 0, prompt, completion, [], [0.0] * len(completion), reward, 0)
+
+
+def test_trajectory_digest_sees_ids_rewards_and_order():
+    base = [_traj([1, 2], [3, 4], 1.0), _traj([1, 2], [5], 0.0)]
+    d = trajectory_digest(base)
+    assert d == trajectory_digest([_traj([1, 2], [3, 4], 1.0), _traj([1, 2], [5], 0.0)])
+    assert d != trajectory_digest([_traj([1, 2], [3, 4], 1.0), _traj([1, 2], [6], 0.0)])  # a token
+    assert d != trajectory_digest([_traj([1, 2], [3, 4], 1.0), _traj([1, 2], [5], 1e-9)])  # a reward
+    assert d != trajectory_digest([_traj([1, 2], [3], 1.0), _traj([4, 1, 2], [5], 0.0)])  # where ids split
+    assert d != trajectory_digest(base[::-1])
+    assert -2 ** 63 <= d < 2 ** 63  # fits the int64 tensor the ranks all-gather
+
+
+def test_compare_digests_names_the_step_and_the_ranks():
+    compare_digests(3, [5, 5, 5])
+    with pytest.raises(RuntimeError, match=r"RL step 3: rank\(s\) \[2\] generated other rollouts"):
+        compare_digests(3, [5, 5, 6])
+
+
+def test_single_process_skips_the_rank_check():
+    assert check_rank_agreement(0, [_traj([1], [2], 0.0)]) is False

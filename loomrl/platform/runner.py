@@ -249,6 +249,9 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
         trajs.append(Trajectory(s.id, r.prompt_index, s.ids, r.completion_ids, s.media,
                                 r.logprobs, float(reward), rollout.version))
     rewards = torch.tensor([t.reward for t in trajs])
+    from loomrl.platform.engines.base import allreduce_max, check_rank_agreement
+
+    ranks_agree = check_rank_agreement(step, trajs)  # training.nproc > 1: every rank's rollouts must be equal
     mismatch = {}
     if recipe.logging.mismatch_every and step % recipe.logging.mismatch_every == 0:
         from loomrl.platform.doctor import mismatch_metrics  # before training moves the weights
@@ -348,7 +351,8 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
         row["kl"] = totals["kl_sum"] / tokens
     row.update(mismatch)  # mismatch_<setting>_{mean,max,kl}: BF16 trainer forward vs rollout log-probs
     # importance correction: is the run on-policy? (ratio = pi_old under the trainer / pi_rollout)
-    row.update({"is_ratio_mean": totals["is_ratio_sum"] / tokens, "is_ratio_max": loss_fn.maxima["is_ratio_max"],
+    is_max = allreduce_max(loss_fn.maxima["is_ratio_max"])  # each rank saw only its micro-batches
+    row.update({"is_ratio_mean": totals["is_ratio_sum"] / tokens, "is_ratio_max": is_max,
                 "is_clipped_frac": totals["is_clipped"] / tokens, "is_masked_frac": totals["is_masked"] / tokens})
     if len(by_source) > 1 or recipe.algorithm.rewards:
         row.update({f"reward_{name}_mean": sum(v) / len(v) for name, v in by_source.items()})
@@ -374,6 +378,8 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     row.update(spec_metrics)  # vLLM's own speculative-decoding counters
     if sync_check is not None:
         row["vllm_sync_logp_diff"] = sync_check
+    if ranks_agree:
+        row["rank_agreement"] = 1  # the ranks' trajectory digests were compared and equal
     return row
 
 
@@ -408,12 +414,11 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
     reward_fn = build_sources(recipe.algorithm, next(model.parameters()).device)
     from loomrl.platform.engines.base import world
 
-    if world()[0] != 0:  # only rank 0 writes the run folder; the others write into a scratch folder
-        import tempfile
-
-        out = Path(tempfile.mkdtemp(prefix=f"loomrl-rank{world()[0]}-"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recipe.yaml").write_text(R.dump(recipe))
+    # only rank 0 writes the run folder: its checkpoints hold every rank's engine state
+    writer = world()[0] == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "recipe.yaml").write_text(R.dump(recipe))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[run] {recipe.name}: {len(files)} shard(s), "
           f"model {n_params / 1e6:.2f}M params, {recipe.training.warmup.steps} warm-up + "
@@ -424,10 +429,12 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
     if resume_from is not None:
         engine_state, ckpt_state = load_checkpoint(resume_from, model)  # verified, or ValueError
     else:
-        for name in ("metrics.jsonl", "warmup.jsonl"):  # a resume without a checkpoint starts over
+        # a resume without a checkpoint starts over
+        for name in ("metrics.jsonl", "warmup.jsonl") if writer else ():
             (out / name).unlink(missing_ok=True)
         if recipe.training.warmup.steps > 0:
-            wlog = MetricsLog(out, "warmup.jsonl", recipe.logging.tensorboard, prefix="warmup/")
+            wlog = (MetricsLog(out, "warmup.jsonl", recipe.logging.tensorboard, prefix="warmup/") if writer
+                    else NoLog())
             run_warmup(recipe, model, tokenizer, source, wlog, progress)
             wlog.close()
 
@@ -485,18 +492,19 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
         # the steps after the checkpoint will be run again: drop their rows
         if (out / "metrics.jsonl").exists():
             rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] < ckpt_state["step"]]
-        tmp = out / ".metrics.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(out / "metrics.jsonl")
+        if writer:
+            tmp = out / ".metrics.jsonl.tmp"
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(out / "metrics.jsonl")
         print(f"[run] resumed from {resume_from} at RL step {ckpt_state['step']}", flush=True)
-    start = ckpt_state["step"] if ckpt_state is not None else len(rows)  # ranks > 0 have no metrics file
+    start = ckpt_state["step"] if ckpt_state is not None else len(rows)
     store, base = TrajectoryStore(recipe.rollout.n), dict(counters)
     # The drafter allocates many small containers per step, which triggers full garbage
     # collections; each would walk every object the imports and the model created (~0.2 s
     # pauses). Freeze those: they live for the whole run.
     gc.collect()
     gc.freeze()
-    log = MetricsLog(out, "metrics.jsonl", recipe.logging.tensorboard)
+    log = MetricsLog(out, "metrics.jsonl", recipe.logging.tensorboard) if writer else NoLog()
     from tqdm import tqdm
 
     end = recipe.training.steps if max_steps is None else min(max_steps, recipe.training.steps)
@@ -510,6 +518,8 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
         if critic is not None and critic.engine is not None:
             engine_state["critic"] = critic.engine.state_dict()
         extra = dict(extra_models, **({"ref_model": ref_model} if ref_model is not None else {})) or None
+        if not writer:  # engine.state_dict() above was collective; rank 0 saves what it gathered
+            return out / "checkpoints" / f"step-{step:06d}"
         return save_checkpoint(out / "checkpoints", step, model, engine_state, state, ck.keep_last, extra)
 
     path = None
@@ -545,10 +555,21 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
     summary = summarize(recipe, out, rows, wall, path, goal_text, source, counters)
     if not finished:
         summary += f"\nstopped at RL step {len(rows)} of {recipe.training.steps} (--max-steps); continue with --resume"
-    (out / "summary.json").write_text(json.dumps({
-        "steps": len(rows), "wall_s": wall, "goal_met": goal_met, "goal": goal_text,
-        "skipped_samples": source.state()["skipped"], "trajectories": counters}, indent=1))
+    if writer:
+        (out / "summary.json").write_text(json.dumps({
+            "steps": len(rows), "wall_s": wall, "goal_met": goal_met, "goal": goal_text,
+            "skipped_samples": source.state()["skipped"], "trajectories": counters}, indent=1))
     return RunResult(out, rows, goal_met, summary)
+
+
+class NoLog:
+    """The metrics log of ranks > 0: rank 0 alone writes the run's metrics."""
+
+    def log(self, row: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Interrupted(Exception):

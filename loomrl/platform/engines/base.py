@@ -18,6 +18,8 @@ single-process gradient.
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from typing import Callable, Iterator, Optional, Protocol
 
 import torch
@@ -71,6 +73,48 @@ def allreduce_stats(stats: dict[str, float], group=None) -> dict[str, float]:
     t = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(t, group=group)
     return dict(zip(keys, t.tolist()))
+
+
+def allreduce_max(value: float, group=None) -> float:
+    """The largest `value` over the ranks of `group` (collective)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def trajectory_digest(trajectories: list) -> int:
+    """A signed 64-bit hash of a step's trajectories: prompt ids, completion token ids and
+    rewards, in order (exact: the rewards' bits, not a rounding of them)."""
+    h = hashlib.sha256()
+    for t in trajectories:
+        h.update(struct.pack(f"<2q{len(t.prompt_ids)}q{len(t.completion_ids)}qd", len(t.prompt_ids),
+                             len(t.completion_ids), *t.prompt_ids, *t.completion_ids, float(t.reward)))
+    return int.from_bytes(h.digest()[:8], "little", signed=True)
+
+
+def compare_digests(step: int, digests: list[int]) -> None:
+    """Refuse a step whose ranks hold different trajectories (digests in rank order)."""
+    if len(set(digests)) > 1:
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise RuntimeError(f"RL step {step}: rank(s) {differ} generated other rollouts than rank 0 "
+                           f"(trajectory digests per rank: {digests}); data parallelism needs every rank "
+                           f"to hold the same trajectories (same seeds, same rollout engine, same data)")
+
+
+def check_rank_agreement(step: int, trajectories: list) -> bool:
+    """Every rank generates its own rollouts of the same prompts; they must agree. All-gathers
+    each rank's trajectory digest (collective) and raises naming the step if they differ.
+    True when the check ran (more than one rank), False in a single process."""
+    rank, size = world()
+    if size == 1:
+        return False
+    mine = torch.tensor([trajectory_digest(trajectories)], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine)
+    compare_digests(step, [int(t) for t in every])
+    return True
 
 
 def allreduce_grads(params: list[nn.Parameter], group=None) -> None:

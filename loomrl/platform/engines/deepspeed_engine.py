@@ -131,7 +131,9 @@ class DeepSpeedTrainEngine:
         return totals
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full fp32 tensors under the policy's names (ZeRO-3: gathered; collective)."""
+        """The module's full tensors as fp32 under the policy's names (ZeRO-3: gathered; collective).
+        Under bf16 these are the BF16 module weights upcast, not the fp32 master copy (that one
+        is in the optimizer's partitions and in state_dict())."""
         import deepspeed
 
         params = list(self.model.parameters()) if self.stage == 3 else []

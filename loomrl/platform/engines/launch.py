@@ -1,4 +1,4 @@
-"""Multi-process runs: torchrun, gloo on CPU, NCCL on GPU.
+"""Multi-process runs: torchrun, gloo on CPU, gloo + NCCL on GPU.
 
 `loomrl run` re-executes itself under torchrun when a recipe asks for more than one
 training process (`training.nproc`), so the user types one command. Every rank
@@ -51,7 +51,9 @@ def init_distributed() -> None:
     """Join the default process group: from torchrun's environment, or a one-process group."""
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # The engines' own collectives (stats, gradient sums, state gathers, Megatron's norm)
+    # use CPU tensors, which NCCL refuses: on GPU machines CPU tensors go through gloo.
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if launched():
         dist.init_process_group(backend)
     else:

@@ -195,9 +195,10 @@ class MegatronLM(nn.Module):
         if cache is not None:
             raise ValueError("the Megatron engine only trains; rollouts run on the HF-layout copy")
         b, t, _ = inputs_embeds.shape
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        device = inputs_embeds.device
+        causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
         mask = causal[None, None] & key_mask[:, None, None, :]
-        mask = mask | torch.eye(t, dtype=torch.bool)[None, None]  # as the built-in decoder: no empty rows
+        mask = mask | torch.eye(t, dtype=torch.bool, device=device)[None, None]  # as the built-in decoder: no empty rows
         self.rope.cos, self.rope.sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta,
                                                     self.cfg.mrope_section)
         logits = self.gpt(input_ids=None, position_ids=None, attention_mask=mask,
