@@ -77,3 +77,14 @@ def test_every_field_is_documented():
     rows = field_docs()
     undocumented = [key for key, _, _, doc in rows if not doc]
     assert len(rows) > 40 and undocumented == []
+
+
+def test_lr_warmup_ramps_linearly_then_holds():
+    from loomrl.platform.recipe import TrainingConfig
+    from loomrl.platform.runner import rl_lr
+
+    cfg = TrainingConfig(lr=1e-3, lr_warmup_steps=4)
+    assert [rl_lr(cfg, s) for s in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert rl_lr(TrainingConfig(lr=1e-3), 0) == 1e-3
+    with pytest.raises(RecipeError, match="training.lr_warmup_steps"):
+        load_recipe(DEMO, ["training.lr_warmup_steps=-1"])

@@ -418,6 +418,9 @@ class TrainingConfig:
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
     lr: float = 1e-3
     """AdamW learning rate."""
+    lr_warmup_steps: int = 0
+    """Ramp the RL learning rate linearly from lr / N to lr over the first N RL steps (0 = off):
+    Adam's first updates move every weight by about lr whatever the gradient's size."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -724,6 +727,8 @@ def validate(r: Recipe) -> None:
     if t.engine == "megatron" and (r.model.num_kv_heads % tp or r.model.intermediate_size % tp):
         raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide model.num_kv_heads="
                           f"{r.model.num_kv_heads} and model.intermediate_size={r.model.intermediate_size}")
+    if r.training.lr_warmup_steps < 0:
+        raise RecipeError(f"training.lr_warmup_steps: must be >= 0, got {r.training.lr_warmup_steps}")
     if r.training.steps < 0:
         raise RecipeError(f"training.steps: must be >= 0, got {r.training.steps}")
     if r.logging.mismatch_every < 0:

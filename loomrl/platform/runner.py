@@ -383,6 +383,13 @@ def rl_step(step: int, recipe: R.Recipe, model: VLM, ref_model: Optional[VLM], t
     return row
 
 
+def rl_lr(cfg: R.TrainingConfig, step: int) -> float:
+    """The learning rate of RL step `step` (0-based): linear warm-up over lr_warmup_steps."""
+    if cfg.lr_warmup_steps <= 0:
+        return cfg.lr
+    return cfg.lr * min(1.0, (step + 1) / cfg.lr_warmup_steps)
+
+
 def goal_check(rows: list[dict], goal: Optional[R.GoalConfig]) -> tuple[Optional[bool], str]:
     if goal is None or not rows:
         return None, ""
@@ -528,6 +535,8 @@ def run(recipe: R.Recipe, out: Path, resume_from: Optional[Path] = None,
         with stop:
             for step in bar:
                 faults.current_step = step
+                if recipe.training.lr_warmup_steps:  # a function of the step, so a resume sets it again
+                    engine.set_lr(rl_lr(recipe.training, step))
                 row = rl_step(step, recipe, model, ref_model, tokenizer, source, rollout, engine, reward_fn,
                               generator, critic, store)
                 acc = store.accounting()  # this process's store on top of the checkpoint's counts
