@@ -41,6 +41,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model
 from loomrl.platform.recipe import DrafterConfig, VLLMConfig
 from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.torch_engine import DraftStats
@@ -75,16 +76,6 @@ def _set_vllm_env(cfg: VLLMConfig) -> None:
     # vLLM compiles a few kernels with inductor even when eager; keep that cache out of /tmp.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "loomrl", "torchinductor"))
-
-
-def language_model_tensors(model) -> dict[str, torch.Tensor]:
-    """Every language-model tensor under Qwen2ForCausalLM names, lm_head always included,
-    each its own contiguous copy (safetensors refuses shared storage)."""
-    lm = model.language_model
-    out = {name: t.detach().to(torch.float32 if t.is_floating_point() else t.dtype).clone().contiguous()
-           for name, t in lm.state_dict().items()}
-    out["lm_head.weight"] = lm.lm_head.weight.detach().clone().contiguous()
-    return out
 
 
 def rpc_reload(worker, blob: bytes) -> int:
@@ -150,7 +141,6 @@ class VLLMRolloutEngine:
     # ------------------------------------------------------------------ start / stop
 
     def _start(self, max_model_len: int, seed: int):
-        from loomrl.platform.backbone.hf_io import export_language_model
 
         _set_vllm_env(self.cfg)
         from vllm import LLM
@@ -311,7 +301,8 @@ class VLLMRolloutEngine:
         from safetensors.torch import save
 
         if weights is None:
-            tensors = language_model_tensors(self.model)
+            # lm_head too when tied: left out, vLLM reloads a wrong head without an error
+            tensors = decoder_tensors(self.model.language_model, dtype=torch.float32, tied_head=True)
         else:
             prefix = "language_model."
             tensors = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().clone().contiguous()
