@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from loomrl.platform import faults
+from loomrl.platform.engines.launch import torchrun_command
 from loomrl.platform import recipe as R
 from loomrl.platform.trajectory.transport import (MAX_MESSAGE_BYTES, Channel, MediaLedger, pack, unpack,
                                                   unpack_media)
@@ -68,9 +69,8 @@ def launch(recipe_path: str, overrides: list[str], out: Path) -> int:
     # rollout.drafter.compare_every is ignored here: workers time no plain reference run
     out.mkdir(parents=True, exist_ok=True)
     (out / EXIT_FILE).unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(1 + recipe.pipeline.rollout_workers), "--max-restarts", "0",
-           "-m", "loomrl.platform.disaggregated", recipe_path, *overrides, "--out", str(out)]
+    cmd = torchrun_command(1 + recipe.pipeline.rollout_workers, [recipe_path, *overrides, "--out", str(out)],
+                           module="loomrl.platform.disaggregated")
     rc = subprocess.call(cmd)
     code = out / EXIT_FILE
     if code.exists():

@@ -22,10 +22,11 @@ def launched() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def torchrun_command(nproc: int, cli_args: list[str]) -> list[str]:
-    """The command that runs `loomrl <cli_args>` on nproc local processes."""
+def torchrun_command(nproc: int, cli_args: list[str], module: str = "loomrl.cli") -> list[str]:
+    """The command that runs `python -m <module> <cli_args>` on nproc local processes
+    (torchrun's default: no restarts)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "loomrl.cli", *cli_args]
+            "-m", module, *cli_args]
 
 
 def launch(nproc: int, cli_args: list[str]) -> int:
