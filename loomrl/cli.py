@@ -8,6 +8,45 @@ import time
 from pathlib import Path
 
 
+def setup_logging() -> None:
+    """loomrl's messages: progress to stdout, warnings and errors to stderr, no prefixes."""
+    import logging
+
+    logger = logging.getLogger("loomrl")
+    if logger.handlers:
+        return
+    out = logging.StreamHandler(sys.stdout)
+    out.addFilter(lambda record: record.levelno < logging.WARNING)
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    for h in (out, err):
+        h.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(h)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def lock_run_folder(out: Path):
+    """Hold an exclusive lock on the run folder for this process's life (None: another run
+    holds it; its pid is in the lock file)."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    f = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        return None, holder
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f, None
+
+
 def cmd_run(args) -> int:
     from loomrl.platform import recipe as R
 
@@ -25,13 +64,28 @@ def cmd_run(args) -> int:
     out = Path(args.out) if args.out else Path("runs") / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.resume_from and not args.out:
         out = Path(args.resume_from).resolve().parent.parent  # RUN/checkpoints/step-N
+    child = "LOOMRL_NPROC_CHILD" in os.environ  # a rank under torchrun: the launcher checked and locked
+    resume = args.resume or args.resume_from
+    if args.resume and not args.out:
+        print("error: --resume needs --out DIR (the run folder to continue)", file=sys.stderr)
+        return 2
+    if not child:
+        existing = [p.name for p in out.iterdir() if p.name != ".lock"] if out.is_dir() else []
+        if existing and not resume:
+            print(f"error: {out} is not empty ({', '.join(sorted(existing)[:5])}); choose another --out, "
+                  f"or --resume the run in it", file=sys.stderr)
+            return 2
+        if existing and not (out / "recipe.yaml").is_file():
+            print(f"error: {out} holds no loomrl run (no recipe.yaml); nothing to resume", file=sys.stderr)
+            return 2
+        lock, holder = lock_run_folder(out)
+        if lock is None:
+            print(f"error: {out} is in use by another loomrl run (pid {holder})", file=sys.stderr)
+            return 2
     resume_from = None
-    if args.resume or args.resume_from:
+    if resume:
         from loomrl.platform.checkpoint import latest_checkpoint
 
-        if args.resume and not args.out:
-            print("error: --resume needs --out DIR (the run folder to continue)", file=sys.stderr)
-            return 2
         saved = out / "recipe.yaml"
         if saved.exists() and saved.read_text() != R.dump(recipe):
             print(f"error: {saved} differs from this recipe and overrides; resume with the same recipe "
@@ -40,35 +94,23 @@ def cmd_run(args) -> int:
         resume_from = Path(args.resume_from) if args.resume_from else latest_checkpoint(out / "checkpoints")
         if resume_from is None:
             print(f"[run] no checkpoint in {out}/checkpoints: starting from the beginning", file=sys.stderr)
-    elif (out / "metrics.jsonl").exists() and "LOOMRL_NPROC_CHILD" not in os.environ:  # launcher checked
-        print(f"error: {out} already holds a run (metrics.jsonl); choose another --out, or --resume it",
-              file=sys.stderr)
-        return 2
-    if recipe.pipeline.mode == "disaggregated":  # torchrun: 1 trainer + pipeline.rollout_workers
-        if resume_from is not None or args.max_steps is not None:
-            print("error: --resume/--resume-from/--max-steps are not supported with pipeline.mode=disaggregated yet",
-                  file=sys.stderr)
-            return 2
+    run_args = [args.recipe, *args.overrides]
+    run_args += ["--resume-from", str(resume_from)] if resume_from is not None else []
+    run_args += ["--max-steps", str(args.max_steps)] if args.max_steps is not None else []
+    if recipe.pipeline.mode == "disaggregated":  # torchrun: training.nproc trainers + pipeline.rollout_workers
         from loomrl.platform.disaggregated import launch
 
-        try:
-            return launch(args.recipe, args.overrides, out)
-        except R.RecipeError as e:
-            print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
-            return 2
+        return launch(recipe, run_args, out)
     if recipe.training.engine != "torch":  # DeepSpeed / Megatron: a process group, torchrun above 1 process
         from loomrl.platform.engines import launch as engines_launch
 
         if recipe.training.nproc > 1 and not engines_launch.launched():
-            argv = ["run", args.recipe, *args.overrides, "--out", str(out)]
-            argv += ["--resume-from", str(resume_from)] if resume_from is not None else []
-            argv += ["--max-steps", str(args.max_steps)] if args.max_steps is not None else []
-            return engines_launch.launch(recipe.training.nproc, argv)
+            return engines_launch.launch(recipe.training.nproc, ["run", *run_args, "--out", str(out)])
         engines_launch.init_distributed()
-    from loomrl.platform.runner import Interrupted, run
+    from loomrl.platform.trainer import Interrupted, Trainer
 
     try:
-        result = run(recipe, out, resume_from=resume_from, max_steps=args.max_steps)
+        result = Trainer(recipe, out, resume_from, args.max_steps).run()
     except R.RecipeError as e:
         print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
         return 2
@@ -90,6 +132,8 @@ def cmd_run(args) -> int:
         if rank != 0:  # rank 0 alone writes the run folder and reports
             return 0
     print(result.summary, flush=True)
+    if result.error:
+        return 2
     return 3 if result.goal_met is False else 0
 
 
@@ -139,6 +183,7 @@ GROUPS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in GROUPS:
         import importlib

@@ -29,7 +29,7 @@ from loomrl.platform.backbone.vlm import build_policy  # noqa: E402
 from loomrl.platform.engines import launch  # noqa: E402
 from loomrl.platform.engines.base import allreduce_max, check_rank_agreement  # noqa: E402
 from loomrl.platform.engines.torch_engine import TorchTrainEngine  # noqa: E402
-from loomrl.platform.runner import grpo_loss_fn  # noqa: E402
+from loomrl.platform.algorithms.losses import policy_loss_fn  # noqa: E402
 from loomrl.platform.trajectory.batch import Trajectory, micro_batches  # noqa: E402
 
 STEPS, STOP = 4, 2
@@ -71,7 +71,7 @@ def train(engine, batches, loss_fn, hook_for=None):
             from loomrl.encoders.cache import SharedEncodings
 
             hook = SharedEncodings(engine.model)
-        stats = engine.train_mini_batch(mbs, loss_fn if hook is None else grpo_loss_fn(hook_for, hook), hook)
+        stats = engine.train_mini_batch(mbs, loss_fn if hook is None else policy_loss_fn(hook_for, hook), hook)
         rows.append({k: stats[k] for k in ("loss", "grad_norm", "tokens", "mismatch_sum")})
     return rows
 
@@ -102,7 +102,7 @@ def main():
     tokenizer = load_tokenizer("demo")
     policy = build_policy(recipe.model, tokenizer, seed=0)
     batches, trajectories = make_batches(recipe, policy, tokenizer, shard_dir)
-    loss_fn = grpo_loss_fn(recipe)
+    loss_fn = policy_loss_fn(recipe)
     results = {"agreement": rank_agreement(trajectories[0], rank),
                "max_over_ranks": allreduce_max(0.5 + rank)}  # is_ratio_max's reduction
 

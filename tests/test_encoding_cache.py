@@ -18,7 +18,7 @@ from loomrl.encoders.media import Medium, load_medium
 from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.engines.torch_engine import TorchTrainEngine
 from loomrl.platform.recipe import EncoderConfig, ModelConfig, Recipe, TrainingConfig, VisionConfig
-from loomrl.platform.runner import grpo_loss_fn
+from loomrl.platform.algorithms.losses import policy_loss_fn
 from loomrl.platform.trajectory.batch import Trajectory, micro_batches
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def grads_of_one_step(model, mbs, dedup: bool) -> dict[str, torch.Tensor]:
 
     engine.optimizer.step = capture
     shared = SharedEncodings(model) if dedup else None
-    engine.train_mini_batch(mbs, grpo_loss_fn(Recipe(), shared), shared)
+    engine.train_mini_batch(mbs, policy_loss_fn(Recipe(), shared), shared)
     return captured
 
 
@@ -122,7 +122,7 @@ def test_a_wrong_gradient_would_be_caught(tokenizer):
     model.cfg.encoders.dedup = True
     shared = SharedEncodings(model)
     shared.begin(mbs)
-    loss_fn = grpo_loss_fn(Recipe(), shared)
+    loss_fn = policy_loss_fn(Recipe(), shared)
     model.zero_grad(set_to_none=True)
     for i, mb in enumerate(mbs):
         loss, _ = loss_fn(model, mb)
@@ -234,7 +234,7 @@ def test_trainable_encoders_never_reuse_across_an_optimizer_step(tokenizer):
     assert counts == {"image": 3, "audio": 3} and model.encoding_cache.hits == 6
     engine = TorchTrainEngine(model, TrainingConfig())
     shared = SharedEncodings(model)
-    engine.train_mini_batch(mbs, grpo_loss_fn(Recipe(), shared), shared)
+    engine.train_mini_batch(mbs, policy_loss_fn(Recipe(), shared), shared)
     assert counts == {"image": 6, "audio": 6}  # the training pass needs a graph: never from the cache
     model.eval()
     with torch.no_grad():
@@ -252,7 +252,7 @@ def test_frozen_encoders_cached_across_steps(tokenizer):
     mbs = mini_batch(model, tokenizer, n=2, micro_batch_size=3)
     for step in range(3):
         shared = SharedEncodings(model)
-        engine.train_mini_batch(mbs, grpo_loss_fn(Recipe(), shared), shared)
+        engine.train_mini_batch(mbs, policy_loss_fn(Recipe(), shared), shared)
         assert not model.visual.training  # frozen towers stay in eval mode
     assert counts == {"image": 3, "audio": 3}  # encoded in step 0 only
     assert (model.encoding_cache.hits, model.encoding_cache.misses) == (12, 6)

@@ -65,7 +65,7 @@ def test_weights_scale_the_surrogate_not_the_kl():
 @pytest.mark.parametrize("mode, key, expected", [("truncate", "is_clipped", 2), ("mask", "is_masked", 3)])
 def test_runner_loss_reports_the_known_shares(model, samples, mode, key, expected):
     from loomrl.platform.recipe import Recipe
-    from loomrl.platform.runner import grpo_loss_fn
+    from loomrl.platform.algorithms.losses import policy_loss_fn
     from loomrl.platform.trajectory.batch import Trajectory, collate
 
     trajs = [Trajectory(s.id, i, s.ids, [5, 6, 7], s.media, [0.0] * 3, 0.0, 0, advantage=a)
@@ -75,19 +75,19 @@ def test_runner_loss_reports_the_known_shares(model, samples, mode, key, expecte
     with torch.no_grad():
         trainer, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media)
     recipe = Recipe()
-    loss_fn = grpo_loss_fn(recipe, None)
+    loss_fn = policy_loss_fn(recipe, None)
     mb.rollout_logp = trainer.clone()
     plain, _ = loss_fn(model, mb)  # same log-probs: ratio exactly 1, nothing clipped or masked
     recipe.algorithm.importance.mode = mode
     mb.rollout_logp = trainer.clone()
-    same, stats = grpo_loss_fn(recipe, None)(model, mb)
+    same, stats = policy_loss_fn(recipe, None)(model, mb)
     assert torch.equal(plain, same) and stats["is_clipped"] == stats["is_masked"] == 0
     # perturb the rollout log-probs of three completion tokens: ratios 4 (clipped, masked),
     # 3 (clipped, masked), 0.25 (masked only)
     pos = mb.loss_mask.nonzero()[:3]
     for (b, t), r in zip(pos.tolist(), [4.0, 3.0, 0.25]):
         mb.rollout_logp[b, t] -= math.log(r)
-    _, stats = grpo_loss_fn(recipe, None)(model, mb)
+    _, stats = policy_loss_fn(recipe, None)(model, mb)
     assert stats[key] == expected
     tokens = float(mb.loss_mask.sum())
     assert stats["is_ratio_sum"] == pytest.approx(tokens - 3 + 4 + 3 + 0.25, rel=1e-5)

@@ -6,7 +6,7 @@ import torch
 
 from loomrl.encoders.media import Medium
 from loomrl.platform.trajectory.batch import Trajectory, micro_batches
-from loomrl.platform.trajectory.layout import Prefetcher, layout, media_transfer, plan
+from loomrl.platform.trajectory.layout import layout, media_transfer, plan
 
 torch.set_num_threads(1)
 PAD = 0
@@ -63,14 +63,3 @@ def test_media_moved_once_per_distinct_medium():
     mt = media_transfer(trajs)
     assert (mt.total, mt.unique) == (9, 3)
     assert mt.bytes_dedup == (5 + 6 + 7) * 4 and mt.bytes_naive == 3 * mt.bytes_dedup
-
-
-@pytest.mark.parametrize("enabled", [True, False])
-def test_prefetcher_gives_the_same_layout(enabled):
-    trajs = random_trajs(2)
-    pf = Prefetcher(PAD, 3, 30, enabled)
-    pf.submit(trajs)
-    got = pf.get()
-    pf.close()
-    want = layout(trajs, PAD, 3, 30)
-    assert len(got) == len(want) and all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(got, want))

@@ -81,7 +81,7 @@ def test_every_field_is_documented():
 
 def test_lr_warmup_ramps_linearly_then_holds():
     from loomrl.platform.recipe import TrainingConfig
-    from loomrl.platform.runner import rl_lr
+    from loomrl.platform.trainer import rl_lr
 
     cfg = TrainingConfig(lr=1e-3, lr_warmup_steps=4)
     assert [rl_lr(cfg, s) for s in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])

@@ -109,7 +109,7 @@ def run(groups: int, n: int, micro_batch_size: int, repeats: int, seed: int) -> 
     from loomrl.platform.backbone.vlm import build_policy
     from loomrl.platform.engines.torch_engine import TorchTrainEngine
     from loomrl.platform.recipe import ModelConfig, Recipe, TrainingConfig
-    from loomrl.platform.runner import grpo_loss_fn
+    from loomrl.platform.algorithms.losses import policy_loss_fn
 
     tokenizer = load_tokenizer("demo")
     model = build_policy(ModelConfig(), tokenizer, seed)
@@ -140,7 +140,7 @@ def run(groups: int, n: int, micro_batch_size: int, repeats: int, seed: int) -> 
     train_times = {"naive": [], "dedup": []}
     for rep in range(repeats + 1):
         for path in ("naive", "dedup"):
-            t = train_pass(model, engine, mbs, lambda shared: grpo_loss_fn(Recipe(), shared), path == "dedup")
+            t = train_pass(model, engine, mbs, lambda shared: policy_loss_fn(Recipe(), shared), path == "dedup")
             if rep:
                 train_times[path].append(t)
 

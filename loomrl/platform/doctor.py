@@ -178,7 +178,7 @@ def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: 
     from loomrl.datasets.stream import ShardStream
     from loomrl.platform.backbone.tokenizer import load_tokenizer
     from loomrl.platform.backbone.vlm import build_policy
-    from loomrl.platform.runner import configure_torch, shard_files, to_prompts
+    from loomrl.platform.parts import configure_torch, shard_files, to_prompts
 
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: not one of {sorted(ENGINES)}")

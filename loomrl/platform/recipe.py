@@ -473,10 +473,6 @@ class PipelineConfig:
     re-queued) or `stop` with a checkpoint and a clear error."""
     worker_timeout_s: float = 300.0
     """A rollout worker silent this long with work in flight is declared dead."""
-    prefetch: bool = True
-    """Disaggregated mode: lay out the next admitted mini-batch's micro-batches in a background
-    thread while the current one trains (the colocated loop lays out a step's mini-batches
-    together before training, as the old log-probs need them all)."""
 
 
 @dataclass
@@ -717,6 +713,10 @@ def validate(r: Recipe) -> None:
     if t.engine == "torch" and t.nproc != 1:
         raise RecipeError("training.nproc: the torch engine runs in one process; use training.engine "
                           "deepspeed or megatron for more")
+    if t.engine != "torch" and r.algorithm.name == "ppo":
+        raise RecipeError(f"algorithm.name: ppo trains a value model (value head or separate critic) with the "
+                          f"torch engine only; training.engine={t.engine!r} trains the policy alone "
+                          f"(use grpo, or training.engine=torch)")
     if t.deepspeed.zero_stage not in (0, 1, 2, 3):
         raise RecipeError(f"training.deepspeed.zero_stage: must be 0, 1, 2 or 3, got {t.deepspeed.zero_stage}")
     if t.deepspeed.zero_stage == 0 and (t.deepspeed.bf16 or t.deepspeed.offload_optimizer):

@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 
-def build_engine(recipe, policy):
-    """The recipe's distributed training engine for `policy` (deepspeed or megatron; the runner
-    builds the torch engine itself). The engine trains its own copy; the runner syncs
-    `policy` (the rollout copy) from `engine.export_weights()` after every step."""
-    from loomrl.platform.recipe import RecipeError
-
+def build_engine(recipe, policy, params=None):
+    """The recipe's training engine (`training.engine`) for `policy`. torch: trains `policy`
+    itself (`params`: the parameters to optimise, default every trainable one). DeepSpeed /
+    Megatron train their own copy; the trainer loads `engine.export_weights()` back into
+    `policy` (the rollout copy) after its updates. Combinations an engine cannot train are
+    refused by recipe validation (`recipe.validate`), never here."""
     name = recipe.training.engine
-    if recipe.algorithm.name != "grpo":
-        raise RecipeError(f"training.engine: {name} trains the policy only; algorithm.name="
-                          f"{recipe.algorithm.name!r} (critic, value head) needs the torch engine")
+    if name == "torch":
+        from loomrl.platform.engines.torch_engine import TorchTrainEngine
+
+        return TorchTrainEngine(policy, recipe.training, params=params)
     if name == "deepspeed":
         from loomrl.platform.engines.deepspeed_engine import DeepSpeedTrainEngine
 
@@ -22,4 +23,4 @@ def build_engine(recipe, policy):
 
         init_distributed()
         return MegatronTrainEngine(policy, recipe.training)
-    raise RecipeError(f"training.engine: {name!r} is built by the runner")
+    raise ValueError(f"training.engine: unknown engine {name!r}")

@@ -24,6 +24,8 @@ class MiniBatchHook(Protocol):
 
 
 class TorchTrainEngine:
+    supports_hook = True  # runs a MiniBatchHook around the micro-batches (the encoding cache)
+
     def __init__(self, model: nn.Module, cfg: TrainingConfig, lr: float | None = None,
                  params: list[nn.Parameter] | None = None):
         self.model = model

@@ -1,4 +1,6 @@
-"""The rollout-engine seam: what every engine (built-in torch, vLLM) provides."""
+"""The rollout-engine seam: what every engine (built-in torch, vLLM) provides, and all
+the trainer loop and the rollout workers use of one. `build_rollout_engine` (in
+`loomrl.platform.rollout`) makes the recipe's engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,8 +52,18 @@ class RolloutResult:
         return sum(len(r.completion_ids) for r in self.rollouts)
 
 
+class Drafter(Protocol):
+    """What callers read of an engine's NgramRL drafter (None when drafting is off)."""
+
+    def history_tokens(self) -> int:
+        """Tokens held in the draft histories."""
+
+
 class RolloutEngine(Protocol):
     version: int                # policy version of the weights it samples from
+    drafter: Optional[Drafter]  # NgramRL drafter, None when drafting is off
+    last_stats: object          # drafting counters of the last generate() (torch_engine.DraftStats)
+    spec_metrics: dict          # engine-specific speculative-decoding counters of the last generate()
 
     def generate(self, prompts: list[Prompt], params: SamplingParams,
                  generator: Optional[torch.Generator] = None) -> RolloutResult:
@@ -59,6 +71,20 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, weights: Optional[Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
         """Take new weights (None: weights are shared with the trainer) tagged `version`."""
+
+    def generate_plain(self, prompts: list[Prompt], params: SamplingParams,
+                       generator: Optional[torch.Generator] = None) -> Optional[RolloutResult]:
+        """The same batch without drafting, for timing side by side (its tokens are discarded);
+        None when the engine cannot run one."""
+
+    def observe(self, prompt_id: str, completion_ids: list[int]) -> None:
+        """Feed a finished rollout into the drafter's history of its prompt."""
+
+    def state_dict(self) -> dict:
+        """JSON state a resumed run needs to continue exactly (version, drafter histories)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`."""
 
     def shutdown(self) -> None:
         """Release the engine's resources."""

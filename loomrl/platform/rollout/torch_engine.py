@@ -87,6 +87,7 @@ class TorchRolloutEngine:
         self.prefetcher = FanoutPrefetcher(self.drafter_cfg.prefetch_budget) if self.drafter_cfg else None
         self._pool = ThreadPoolExecutor(1) if self.prefetcher and self.prefetcher.budget > 0 else None
         self.last_stats = DraftStats()
+        self.spec_metrics: dict = {}
 
     # ------------------------------------------------------------------ drafting
 
@@ -240,6 +241,13 @@ class TorchRolloutEngine:
                     "stop" if tokens[i][-1] == model.eos_token_id else "length")
             for i, (pi, j) in enumerate(rows)]
         return RolloutResult(rollouts, forwards, time.perf_counter() - start, seq_forwards)
+
+    def generate_plain(self, prompts: list[Prompt], params: SamplingParams,
+                       generator: Optional[torch.Generator] = None) -> Optional[RolloutResult]:
+        """The same batch, same weights, no drafter (timed side by side with drafting)."""
+        if self.drafter is None:
+            return None
+        return TorchRolloutEngine(self.model).generate(prompts, params, generator)
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue exactly: version, drafter histories,

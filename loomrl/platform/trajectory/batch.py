@@ -21,6 +21,7 @@ class Trajectory:
     reward: float
     version: int                    # policy version that generated it
     advantage: float = 0.0
+    reward_parts: dict = field(default_factory=dict)  # reward source name -> its score
 
 
 @dataclass

@@ -8,13 +8,9 @@ micro-batches will be consumed.
   its own gets a micro-batch to itself (a sequence is never cut).
 - Media: every distinct medium (content hash + preprocessing) is moved once per
   mini-batch; `media_transfer` counts bytes with and without that dedup.
-- Prefetch: `Prefetcher` builds the next mini-batch's micro-batches in a
-  background thread while the current one trains (collation is plain tensor
-  work that releases the GIL for the copies).
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,30 +58,3 @@ def media_transfer(trajs: list[Trajectory]) -> MediaTransfer:
             naive += m.nbytes
             seen.setdefault(m.key, m.nbytes)
     return MediaTransfer(sum(len(t.media) for t in trajs), len(seen), naive, sum(seen.values()))
-
-
-class Prefetcher:
-    """Lays out the next mini-batch in a background thread while the current one trains."""
-
-    def __init__(self, pad_id: int, micro_batch_size: int, tokens_per_micro_batch: int = 0,
-                 enabled: bool = True):
-        self.args = (pad_id, micro_batch_size, tokens_per_micro_batch)
-        self._pool = ThreadPoolExecutor(1) if enabled else None
-        self._next: Optional[Future] = None
-
-    def submit(self, trajs: list[Trajectory]) -> None:
-        if self._pool is not None:
-            self._next = self._pool.submit(layout, trajs, *self.args)
-        else:
-            self._next = Future()
-            self._next.set_result(layout(trajs, *self.args))
-
-    def get(self) -> list[MicroBatch]:
-        assert self._next is not None, "Prefetcher.get() before submit()"
-        mbs, self._next = self._next.result(), None
-        return mbs
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None

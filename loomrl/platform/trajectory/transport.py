@@ -77,18 +77,31 @@ def unpack(buf: torch.Tensor) -> tuple[dict, dict[str, torch.Tensor]]:
 
 class Channel:
     """Sends and receives messages with byte counters. Sends are asynchronous (a peer that
-    is busy generating does not block the trainer); `flush()` waits for them."""
+    is busy generating does not block the trainer); `flush()` waits for them.
 
-    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES):
+    pg: the process group to talk over (ranks are its own), e.g. a gloo group of the trainer
+    and its rollout workers made beside the trainer's group; None: the default group."""
+
+    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES, pg=None):
         self.max_message_bytes = max_message_bytes
+        self.pg = pg
         self.bytes_sent = 0
         self.bytes_received = 0
         self._pending: list = []
         self.inbox: queue.Queue = queue.Queue()
 
+    def _isend(self, t: torch.Tensor, dst: int):
+        return self.pg.send([t], dst, 0) if self.pg is not None else dist.isend(t, dst)
+
+    def _recv(self, t: torch.Tensor, src: int) -> None:
+        if self.pg is not None:
+            self.pg.recv([t], src, 0).wait()
+        else:
+            dist.recv(t, src)
+
     def send(self, buf: torch.Tensor, dst: int) -> None:
         size = torch.tensor([buf.numel()], dtype=torch.int64)
-        self._pending += [(dist.isend(size, dst), size), (dist.isend(buf, dst), buf)]
+        self._pending += [(self._isend(size, dst), size), (self._isend(buf, dst), buf)]
         self.bytes_sent += buf.numel() + 8
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
@@ -99,13 +112,13 @@ class Channel:
 
     def recv(self, src: int) -> torch.Tensor:
         size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src)
+        self._recv(size, src)
         n = int(size[0])
         if not 0 <= n <= self.max_message_bytes:  # before allocating what the peer declares
             raise ValueError(f"transport: rank {src} declared a message of {n} bytes "
                              f"(accepted: 0..{self.max_message_bytes})")
         buf = torch.empty(n, dtype=torch.uint8)
-        dist.recv(buf, src)
+        self._recv(buf, src)
         self.bytes_received += buf.numel() + 8
         return buf
 

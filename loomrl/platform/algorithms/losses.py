@@ -1,0 +1,73 @@
+"""The micro-batch loss functions the training engines run: the policy's (GRPO or PPO,
+with importance correction and an optional value head), a separate critic's, and the
+supervised (SFT) loss of the warm-up stage. Each returns (loss already scaled to its share
+of the mini-batch, summed stats)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from loomrl.platform import recipe as R
+from loomrl.platform.algorithms.critic import Critic, ValueHead
+from loomrl.platform.algorithms.grpo import policy_loss
+from loomrl.platform.algorithms.importance import importance_weights
+from loomrl.platform.algorithms.ppo import value_loss
+
+
+def sft_loss(model, mb) -> tuple[torch.Tensor, dict[str, float]]:
+    """Negative log-likelihood of the completion tokens, per token of the mini-batch."""
+    logp, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media)
+    n = float(mb.loss_mask.sum())
+    return -(logp * mb.loss_mask).sum() / mb.normaliser, {"tokens": n}
+
+
+def policy_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead] = None):
+    """The policy's micro-batch loss (GRPO or PPO). shared: a loomrl.encoders.cache.SharedEncodings
+    whose encodings of the current mini-batch every micro-batch uses (None: encode per micro-batch).
+    value_head: PPO's head on the policy; its value loss is added. The largest importance ratio
+    seen is kept in loss_fn.maxima (the engine sums stats)."""
+    a, temperature, im = recipe.algorithm, recipe.rollout.temperature, recipe.algorithm.importance
+    low = a.clip_eps if a.clip_eps_low is None else a.clip_eps_low
+    high = a.clip_eps if a.clip_eps_high is None else a.clip_eps_high
+    kl_coef = a.kl_coef if a.kl_placement == "loss" else 0.0
+    maxima = {"is_ratio_max": 0.0}
+
+    def loss_fn(model, mb):
+        encodings = shared.encodings if shared is not None else None
+        out = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature, encodings,
+                                      return_hidden=value_head is not None)
+        logp, entropy = out[0], out[1]
+        old = mb.old_logp if mb.old_logp is not None else logp.detach()
+        # pi_old under the trainer vs the rollout engine that sampled the tokens
+        weights, is_stats = importance_weights(old, mb.rollout_logp, mb.loss_mask, im.mode, im.cap, im.low, im.high)
+        maxima["is_ratio_max"] = max(maxima["is_ratio_max"], is_stats.pop("is_ratio_max"))
+        normaliser = {"token": mb.normaliser, "sequence": mb.sequences,
+                      "constant": mb.sequences * recipe.rollout.max_new_tokens}[a.loss_norm]
+        loss, stats = policy_loss(logp, old, mb.advantages, mb.loss_mask, low, normaliser, mb.ref_logp, kl_coef,
+                                  high, None if im.mode == "none" else weights, a.loss_norm)
+        stats.update(is_stats)
+        if value_head is not None:
+            vloss, vstats = value_loss(value_head(out[2]), mb.values, mb.returns, mb.loss_mask,
+                                       a.ppo.value_clip, mb.normaliser)
+            loss = loss + a.ppo.value_coef * vloss
+            stats.update(vstats)
+        m = mb.loss_mask
+        stats["entropy_sum"] = float((entropy.detach() * m).sum())
+        # rollout-vs-trainer mismatch of the same tokens under the same weights
+        stats["mismatch_sum"] = float(((mb.rollout_logp - logp.detach()).abs() * m).sum())
+        stats["tokens"] = float(m.sum())
+        return loss, stats
+
+    loss_fn.maxima = maxima
+    return loss_fn
+
+
+def critic_loss_fn(recipe: R.Recipe):
+    """The separate critic's micro-batch loss: the clipped value loss."""
+    clip = recipe.algorithm.ppo.value_clip
+
+    def loss_fn(critic: Critic, mb):
+        return value_loss(critic(mb), mb.values, mb.returns, mb.loss_mask, clip, mb.normaliser)
+
+    return loss_fn

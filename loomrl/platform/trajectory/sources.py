@@ -1,0 +1,357 @@
+"""Trajectory sources: where the trainer loop's admitted mini-batches come from.
+
+The trainer (`loomrl.platform.trainer.Trainer`) runs one loop for every pipeline mode;
+only its source differs:
+
+    ColocatedSource     in-process generation. Every rank reads the step's prompts,
+                        rolls out its own share (whole groups, prompts rank::world),
+                        scores them, and the ranks exchange the trajectories so each
+                        holds the whole step; then store + admission.
+    WorkerSource        (disaggregated.py) rollout workers over the transport; the
+                        trainer's rank 0 dispatches, receives, admits.
+    FollowerSource      the other trainer ranks of a disaggregated run: rank 0
+                        broadcasts each admitted mini-batch to them.
+
+A source hands out admitted mini-batches (lists of trajectories, whole groups
+contiguous, in training order): `admit` returns at least one, and every one it can
+form now (the colocated source: the whole step). After each optimizer step the
+trainer calls `weights_updated` (the disaggregated source sends weights at once);
+`end_step` closes the step (the colocated source syncs its engine there) and returns
+the rollout metrics of the step's row.
+
+Exchanges between ranks carry JSON and raw tensors (`transport.pack`), never pickle.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from loomrl.encoders.media import Medium
+from loomrl.platform.trajectory.batch import Trajectory
+from loomrl.platform.trajectory.transport import pack, unpack
+
+
+class WorkerDied(RuntimeError):
+    """The source cannot go on (a rollout worker died, or the run was told to stop)."""
+
+
+class TrajectorySource(Protocol):
+    sync_every_update: bool
+    """True: the trainer hands over its weights after every optimizer step (rollout workers);
+    False: once per RL step, in end_step (colocated: nothing generates meanwhile)."""
+
+    def admit(self, step: int, version: int) -> list[list[Trajectory]]:
+        """Admitted mini-batches (>= 1) for the trainer at policy `version`, in training order."""
+
+    def weights_updated(self, version: int) -> None:
+        """The trainer's policy (its full rollout copy) now holds `version`."""
+
+    def end_step(self, step: int, version: int) -> dict:
+        """The step's rollout metrics (its row's rollout_s, tokens_per_s, ...)."""
+
+    def accounting(self) -> dict:
+        """Trajectory books: generated = trained + dropped + pending."""
+
+    def state_dict(self) -> dict:
+        """State for a checkpoint: plain values and tensors (collective)."""
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def finish(self, error: Optional[str]) -> None:
+        """The run is over (error: why it stopped early): settle what is in flight, close the books."""
+
+    def report(self) -> dict:
+        """Facts for summary.json (e.g. the dispatch books)."""
+
+    def summary_lines(self) -> list[str]:
+        """Lines for the run's summary."""
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- exchanges
+
+
+def all_gather_json(obj, group=None) -> list:
+    """Every rank's JSON-able `obj`, in rank order (collective)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [obj]
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    size = dist.get_world_size(group)
+    n = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.zeros_like(n) for _ in range(size)]
+    dist.all_gather(sizes, n, group=group)
+    longest = int(max(sizes))
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[:data.numel()] = data
+    bufs = [torch.zeros_like(buf) for _ in range(size)]
+    dist.all_gather(bufs, buf, group=group)
+    return [json.loads(bytes(b[:int(k)].tolist()).decode()) for b, k in zip(bufs, sizes)]
+
+
+def broadcast_message(buf: Optional[torch.Tensor], src: int = 0, group=None) -> torch.Tensor:
+    """A packed message (`transport.pack`) from rank `src` to every rank of `group`."""
+    n = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64)
+    dist.broadcast(n, src, group=group)
+    if buf is None:
+        buf = torch.empty(int(n), dtype=torch.uint8)
+    dist.broadcast(buf, src, group=group)
+    return buf
+
+
+def pack_batches(batches: list[list[Trajectory]], meta: Optional[dict] = None) -> torch.Tensor:
+    """Admitted mini-batches with their media (each distinct medium's features once)."""
+    tensors: dict[str, torch.Tensor] = {}
+    rows = []
+    for b in batches:
+        row = []
+        for t in b:
+            refs = []
+            for m in t.media:
+                name = f"{m.hash}:{m.prep}"
+                refs.append([m.kind, m.hash, m.prep])
+                tensors.setdefault(name + "/features", m.features)
+                if m.grid is not None:
+                    tensors.setdefault(name + "/grid", m.grid)
+            row.append({"prompt_id": t.prompt_id, "group": t.group, "prompt_ids": t.prompt_ids,
+                        "completion_ids": t.completion_ids, "logp": t.rollout_logprobs, "reward": t.reward,
+                        "version": t.version, "parts": t.reward_parts, "media": refs})
+        rows.append(row)
+    return pack(dict(meta or {}, batches=rows), tensors)
+
+
+def unpack_batches(buf: torch.Tensor) -> tuple[list[list[Trajectory]], dict]:
+    meta, tensors = unpack(buf)
+    media: dict[str, Medium] = {}
+
+    def medium(kind: str, h: str, prep: str) -> Medium:
+        name = f"{h}:{prep}"
+        if name not in media:
+            media[name] = Medium(kind, h, tensors[name + "/features"], tensors.get(name + "/grid"), prep)
+        return media[name]
+
+    batches = [[Trajectory(r["prompt_id"], r["group"], r["prompt_ids"], r["completion_ids"],
+                           [medium(*x) for x in r["media"]], r["logp"], r["reward"], r["version"],
+                           reward_parts=r["parts"]) for r in row] for row in meta.pop("batches")]
+    return batches, meta
+
+
+class FollowerSource:
+    """Trainer ranks > 0 of a disaggregated run: rank 0 (`LeaderSource`) broadcasts what
+    it admits; a broadcast carrying `stop` ends the run here too."""
+
+    sync_every_update = True  # rank 0 sends weights after every update: the export is collective
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def admit(self, step: int, version: int) -> list[list[Trajectory]]:
+        batches, meta = unpack_batches(broadcast_message(None, 0, self.group))
+        if meta.get("stop"):
+            raise WorkerDied(meta["stop"])
+        return batches
+
+    def weights_updated(self, version: int) -> None:
+        pass
+
+    def end_step(self, step: int, version: int) -> dict:
+        return {}
+
+    def accounting(self) -> dict:
+        return {"generated": 0, "trained": 0, "dropped": 0, "pending": 0, "dropped_by_reason": {}}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def finish(self, error: Optional[str]) -> None:
+        pass
+
+    def report(self) -> dict:
+        return {}
+
+    def summary_lines(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class LeaderSource:
+    """Trainer rank 0 of a disaggregated run with more than one trainer rank: what `inner`
+    admits is broadcast to the others (`FollowerSource`)."""
+
+    def __init__(self, inner, group=None):
+        self.inner, self.group = inner, group
+
+    def admit(self, step: int, version: int) -> list[list[Trajectory]]:
+        try:
+            batches = self.inner.admit(step, version)
+        except Exception as e:
+            broadcast_message(pack_batches([], {"stop": str(e) or type(e).__name__}), 0, self.group)
+            raise
+        broadcast_message(pack_batches(batches), 0, self.group)
+        return batches
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+# --------------------------------------------------------------------------- colocated
+
+
+class ColocatedSource:
+    """In-process rollouts. Every rank reads the same `training.prompts_per_step` prompts,
+    generates its share (prompts rank, rank + world, ...: whole groups), scores them, and
+    the ranks all-gather the trajectories (token ids, log-probs, rewards: media are local,
+    as every rank read the same prompts). A per-step digest check confirms every rank holds
+    the same step."""
+
+    sync_every_update = False
+
+    def __init__(self, recipe, model, tokenizer, prompts, rollout, reward_fn, store, generator: torch.Generator):
+        from loomrl.platform.engines.base import world
+        from loomrl.platform.parts import sampling_params
+
+        self.recipe, self.model, self.tokenizer = recipe, model, tokenizer
+        self.prompts, self.rollout, self.reward_fn, self.store = prompts, rollout, reward_fn, store
+        self.generator = generator
+        self.params = sampling_params(recipe)
+        self.rank, self.world = world()
+        self.synced_version = rollout.version
+        self.metrics: dict = {}
+        self.last_prompts: list = []
+
+    def admit(self, step: int, version: int) -> list[list[Trajectory]]:
+        from loomrl.datasets.source import PromptSample  # noqa: F401  (type of self.prompts.next)
+        from loomrl.platform import faults
+        from loomrl.platform.engines.base import check_rank_agreement
+        from loomrl.platform.parts import to_prompts
+        from loomrl.platform.rewards.sources import score
+        from loomrl.platform.trajectory.admission import admit_step
+
+        ro = self.recipe.rollout
+        samples = self.prompts.next(self.recipe.training.prompts_per_step)
+        faults.maybe_die("rollout")
+        prompts = to_prompts(samples)
+        mine = list(range(self.rank, len(prompts), self.world))
+        local = [prompts[i] for i in mine]
+        compare = None
+        every = ro.drafter.compare_every
+        if every and step % every == 0 and self.rollout.drafter is not None:
+            # the same prompts and weights without drafting, timed; the order alternates, as
+            # the second call of a step finds the media encodings cached
+            plain_first = (step // every) % 2 == 0
+            plain = self.rollout.generate_plain(local, self.params, torch.Generator().manual_seed(step)) \
+                if plain_first else None
+        result = self.rollout.generate(local, self.params, self.generator)
+        if every and step % every == 0 and self.rollout.drafter is not None:
+            if not plain_first:
+                plain = self.rollout.generate_plain(local, self.params, torch.Generator().manual_seed(step))
+            if plain is not None:
+                compare = {"plain_tokens_per_s": plain.tokens / plain.seconds,
+                           "drafting_speedup": (result.tokens / result.seconds) / (plain.tokens / plain.seconds),
+                           "plain_forwards": plain.forwards, "drafted_forwards": result.forwards}
+        for r in result.rollouts:  # NgramRL: finished rollouts feed their prompt's draft history
+            self.rollout.observe(local[r.prompt_index].id, r.completion_ids)
+        draft_stats = copy.copy(self.rollout.last_stats)
+        spec_metrics = dict(self.rollout.spec_metrics)
+        texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in result.rollouts]
+        records = [samples[mine[r.prompt_index]].record for r in result.rollouts]
+        totals, by_source = score(self.reward_fn, texts, records)
+        rows = [[mine[r.prompt_index], r.sample_index, r.completion_ids, r.logprobs, float(reward),
+                 r.finish_reason, {name: float(v[i]) for name, v in by_source.items()}]
+                for i, (r, reward) in enumerate(zip(result.rollouts, totals))]
+        gathered = all_gather_json({"rows": rows, "tokens": result.tokens, "seconds": result.seconds,
+                                    "seq_forwards": result.seq_forwards})
+        every_row = sorted((row for g in gathered for row in g["rows"]), key=lambda row: (row[0], row[1]))
+        trajs = [Trajectory(samples[pi].id, pi, samples[pi].ids, ids, samples[pi].media, logp, reward,
+                            self.rollout.version, reward_parts=parts)
+                 for pi, _, ids, logp, reward, _, parts in every_row]
+        ranks_agree = check_rank_agreement(step, trajs)  # the exchange gave every rank the same step
+        tokens = sum(g["tokens"] for g in gathered)
+        seconds = max(g["seconds"] for g in gathered)  # the ranks generate side by side
+        self.metrics = {
+            "trajectories": len(trajs),
+            "response_len": tokens / len(trajs),
+            "stop_rate": sum(row[5] == "stop" for row in every_row) / len(trajs),
+            "tokens_per_s": tokens / max(seconds, 1e-9),
+            "tokens_per_forward": tokens / max(1, sum(g["seq_forwards"] for g in gathered)),
+            "rollout_s": seconds,
+            "rollout_rank_sum_s": sum(g["seconds"] for g in gathered),
+            "rollout_ranks": self.world,
+            "media_total": sum(len(s.media) for s in samples) * ro.n,
+            "media_unique": len({m.hash for s in samples for m in s.media}),
+        }
+        if ranks_agree:
+            self.metrics["rank_agreement"] = 1  # the ranks' trajectory digests were compared and equal
+        if self.rollout.drafter is not None:
+            ds = draft_stats
+            self.metrics.update({
+                "draft_acceptance": sum(ds.accepted_by_pos) / max(1, sum(ds.drafted_by_pos)),
+                "draft_acceptance_by_pos": [round(a, 4) for a in ds.acceptance_by_position()],
+                "drafter_lookup_us": 1e6 * ds.lookup_s / max(1, ds.lookups),
+                "prefetch_coverage": ds.coverage,
+                "drafter_history_tokens": self.rollout.drafter.history_tokens(),
+            })
+            if compare:
+                self.metrics.update(compare)
+        self.metrics.update(spec_metrics)  # vLLM's own speculative-decoding counters
+        self.last_prompts = prompts
+        admitted = admit_step(self.store, self.recipe, trajs, step)
+        batches = [[t for g in groups for t in g.trajectories] for groups in admitted]
+        for groups in admitted:
+            self.store.mark_trained(groups)
+        return batches
+
+    def weights_updated(self, version: int) -> None:
+        pass  # the engine is synced once per step, before it generates again (end_step)
+
+    def end_step(self, step: int, version: int) -> dict:
+        """Sync the rollout engine to the trained policy (colocated torch: shared module, a
+        version bump; vLLM: streamed), then check vLLM against the trainer when asked."""
+        ro = self.recipe.rollout
+        self.rollout.update_weights(None, version)
+        if ro.engine == "vllm" and ro.vllm.health_every and step % ro.vllm.health_every == 0:
+            from loomrl.platform.rollout.vllm_engine import logprob_gap  # vLLM vs trainer after the sync
+
+            params = copy.copy(self.params)
+            params.n = 2
+            self.metrics["vllm_sync_logp_diff"] = logprob_gap(
+                self.rollout, self.model, self.last_prompts[:2], params, torch.Generator().manual_seed(step))[0]
+        return self.metrics
+
+    def accounting(self) -> dict:
+        return self.store.accounting()
+
+    def state_dict(self) -> dict:
+        """Every rank's rollout engine and sampling generator (collective); rank 0 gets them all."""
+        from loomrl.platform.engines.base import gather_rank_states
+
+        local = {"rollout": self.rollout.state_dict(), "generator": self.generator.get_state()}
+        return {"ranks": (gather_rank_states(local) or {}).get("ranks")}
+
+    def load_state_dict(self, state: dict) -> None:
+        from loomrl.platform.engines.base import rank_state
+
+        mine = rank_state(state, "rollout state")
+        self.rollout.load_state_dict(mine["rollout"])
+        self.generator.set_state(mine["generator"])
+
+    def finish(self, error: Optional[str]) -> None:
+        self.store.check()
+
+    def report(self) -> dict:
+        return {}
+
+    def summary_lines(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        self.rollout.shutdown()
