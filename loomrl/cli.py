@@ -94,6 +94,10 @@ def cmd_run(args) -> int:
         resume_from = Path(args.resume_from) if args.resume_from else latest_checkpoint(out / "checkpoints")
         if resume_from is None:
             print(f"[run] no checkpoint in {out}/checkpoints: starting from the beginning", file=sys.stderr)
+    if recipe.training.nproc > 1 or recipe.pipeline.mode == "disaggregated":
+        from loomrl.platform.parts import shard_files
+
+        shard_files(recipe)  # demo shards written once, here, not by every rank at the same time
     run_args = [args.recipe, *args.overrides]
     run_args += ["--resume-from", str(resume_from)] if resume_from is not None else []
     run_args += ["--max-steps", str(args.max_steps)] if args.max_steps is not None else []
@@ -107,8 +111,10 @@ def cmd_run(args) -> int:
         if recipe.training.nproc > 1 and not engines_launch.launched():
             return engines_launch.launch(recipe.training.nproc, ["run", *run_args, "--out", str(out)])
         engines_launch.init_distributed()
+    from loomrl.platform.engines.base import world
     from loomrl.platform.trainer import Interrupted, Trainer
 
+    rank = world()[0]  # now: an in-process vLLM tears the default group down when it shuts down
     try:
         result = Trainer(recipe, out, resume_from, args.max_steps).run()
     except R.RecipeError as e:
@@ -125,9 +131,6 @@ def cmd_run(args) -> int:
               file=sys.stderr)
         return 130
     if recipe.training.engine != "torch":
-        import torch.distributed as dist
-
-        rank = dist.get_rank()
         engines_launch.finish()
         if rank != 0:  # rank 0 alone writes the run folder and reports
             return 0

@@ -379,6 +379,10 @@ class WorkerSource:
         self.pending_states = state["workers"]
 
     def load_workers(self, states: dict) -> None:
+        if not states:
+            log.warning("[trainer] the checkpoint holds no rollout-worker state (it was written after the run "
+                        "stopped on an error): the workers start with fresh drafters and generators")
+            return
         have = sorted(int(k) for k in states)
         if have != sorted(self.names[w] for w in self.live):
             raise ValueError(f"the checkpoint holds rollout workers {have}, this run has "
@@ -402,12 +406,9 @@ class WorkerSource:
         if error is not None:
             for w in list(self.live):  # what the stopped workers held goes back to the queue, counted
                 self.disp.worker_died(w, "run stopped")
-        for w in self.live + self.rejected:
-            self.ch.send(pack({"kind": "stop"}), w)
         self.store.drop_all("run_stopped" if error else "run_ended")
         self.store.check()
-        self.live = []
-        self.ch.flush()
+        self.close()
 
     def report(self) -> dict:
         d = self.disp
@@ -418,7 +419,11 @@ class WorkerSource:
         return [f"prompts         re-queued {self.disp.requeue_count}, waiting to be re-sent {len(self.disp.requeued)}"]
 
     def close(self) -> None:
-        pass
+        """Stop workers still running (the run ended on an exception before `finish`)."""
+        for w in self.live + self.rejected:
+            self.ch.send(pack({"kind": "stop"}), w)
+        self.live, self.rejected = [], []
+        self.ch.flush()
 
 
 # --------------------------------------------------------------------------- entry point (torchrun)
@@ -477,12 +482,18 @@ def trainer_role(recipe: R.Recipe, out: Path, args, grank: int, pg, names: dict[
         inner = WorkerSource(trainer, Channel(pg=pg), sorted(names), names)
         return LeaderSource(inner) if recipe.training.nproc > 1 else inner
 
-    trainer = Trainer(recipe, out, Path(args.resume_from) if args.resume_from else None, args.max_steps, source)
+    resume_from = Path(args.resume_from) if args.resume_from else None
+    trainer = Trainer(recipe, out, resume_from, args.max_steps, source)
     try:
         result = trainer.run()
     except Interrupted as e:
         log.warning("[run] %s", e)
         return 130
+    except ValueError as e:  # a checkpoint that does not fit (or another recipe's)
+        if resume_from is None:
+            raise
+        log.error("error: cannot resume from %s: %s", resume_from, e)
+        return 2
     if grank == 0:
         log.info("%s", result.summary)
     if result.error:

@@ -37,15 +37,19 @@ def write_report(run_dir: Path) -> Path:
         (axes[1, 1], None, "time per step (s)"),
     ]
     for ax, key, title in panels:
+        # a key a run did not log (an older run folder) leaves its panel empty, not a traceback
         if key is None:
             for k in ("rollout_s", "train_s"):
-                ax.plot(steps, [r[k] for r in rows], label=k.replace("_s", ""))
+                if all(k in r for r in rows):
+                    ax.plot(steps, [r[k] for r in rows], label=k.replace("_s", ""))
             ax.legend()
-        else:
+        elif all(key in r for r in rows):
             vals = [r[key] for r in rows]
             ax.plot(steps, vals, alpha=0.35, label="per step")
             ax.plot(steps, _smooth(vals), label="10-step mean")
             ax.legend()
+        else:
+            ax.text(0.5, 0.5, f"{key}: not logged by this run", ha="center", transform=ax.transAxes)
         ax.set_title(title)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)

@@ -305,6 +305,9 @@ class Trainer:
             if not queue:
                 with phases("admit"):  # colocated: generation; disaggregated: waiting for admission
                     batches = self.source.admit(step, self.version)
+                if not 1 <= len(batches) <= tr.mini_batches - len(held):
+                    raise RuntimeError(f"RL step {step}: the trajectory source admitted {len(batches)} mini-batches "
+                                       f"where {tr.mini_batches - len(held)} remain to be trained")
                 with phases("prepare"):
                     if r.logging.mismatch_every and step % r.logging.mismatch_every == 0 and not held:
                         from loomrl.platform.doctor import mismatch_metrics  # before training moves the weights
@@ -443,8 +446,12 @@ class Trainer:
                         self.save()
         except WorkerDied as e:
             error = str(e)
-        self.source.finish(error)
-        path = self.save()
+        if error is None:  # the checkpoint holds the rollout side's state, so save before it stops
+            path = self.save()
+            self.source.finish(None)
+        else:  # what is in flight is settled (re-queued, counted) first; dead workers hold no state
+            self.source.finish(error)
+            path = self.save()
         finished = self.step_count == r.training.steps and error is None
         goal_met, goal_text = goal_check(self.rows, r.goal) if finished else (None, "")
         wall = time.perf_counter() - self.t0

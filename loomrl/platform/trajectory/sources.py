@@ -242,6 +242,7 @@ class ColocatedSource:
         prompts = to_prompts(samples)
         mine = list(range(self.rank, len(prompts), self.world))
         local = [prompts[i] for i in mine]
+        self.generated_here = [p.id for p in local]  # this rank's share of the step's prompts
         compare = None
         every = ro.drafter.compare_every
         if every and step % every == 0 and self.rollout.drafter is not None:
