@@ -66,6 +66,23 @@ def check_composes(tmp_path: Path, shards: Path, extra: list[str]) -> list[dict]
     return want
 
 
+def test_qwen2_vl_checkpoint_with_vllm_rollouts_and_drafting(tmp_path, demo_shards):
+    """A tiny Qwen2-VL checkpoint (M-RoPE) as the policy, rolled out by vLLM with NgramRL drafting."""
+    from qwen_checkpoints import _qwen2_vl
+    from test_qwen_vl_checkpoint import OVERRIDES, PADDED
+
+    folder = tmp_path / "qwen2-vl"
+    _qwen2_vl(str(folder), "qwen2_vl", vocab_size=PADDED)
+    d, _ = demo_shards
+    want = check_composes(tmp_path, d, ["rollout.engine=vllm", f"model.init_from={folder}",
+                                        f"model.tokenizer={folder}", *OVERRIDES, "training.micro_batch_size=8"])
+    # vLLM's M-RoPE positions are the trainer's: pi_old under the trainer / pi_rollout is 1 on every
+    # token (logp_mismatch compares with the policy being trained, which moves after mini-batch 1)
+    assert all(abs(r["is_ratio_mean"] - 1) < 1e-4 and r["is_ratio_max"] < 1 + 1e-3 for r in want)
+    assert sum(r["vllm_draft_tokens"] for r in want) > 0  # NgramRL drafts inside vLLM
+    assert sum(r["vllm_accepted_tokens"] for r in want) > 0
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_resume_equals_uninterrupted(tmp_path, demo_shards, case):
     d, _ = demo_shards

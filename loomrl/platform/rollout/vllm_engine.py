@@ -18,6 +18,20 @@ Agreement with the trainer's log-probs:
   `collective_rpc` into the worker's `reload_weights`, in place. Prefix caching is off:
   cached KV of an older policy would be reused after a sync.
 
+M-RoPE policies (a Qwen2-VL / Qwen2.5-VL checkpoint via `model.init_from`: the decoder has
+`mrope_section`): the language model is served as vLLM's own `Qwen2VLForConditionalGeneration` /
+`Qwen2_5_VLForConditionalGeneration` instead, so vLLM computes the (t, h, w) positions itself
+(`get_mrope_input_positions`, vllm/model_executor/models/qwen2_vl.py:1354, from each image's
+placeholder offset and `image_grid_thw`; generated tokens continue at max + 1). The media still
+come from the trainer's towers, as precomputed image embeddings (`multi_modal_data={"image":
+{"image_embeds", "image_grid_thw"}}`, `enable_mm_embeds`); every image modality limit is 0, so
+vLLM builds no tower (`_mark_tower_model`, models/interfaces.py:339) and the weights stay
+language-model only (the same names, mapped by the model's `hf_to_vllm_mapper`). vLLM's processor
+expands one placeholder per image to the grid's token count (qwen2_vl.py `_get_prompt_updates`),
+so each prompt goes in with its placeholder runs collapsed and comes back checked against the
+trainer's expanded ids. That processor needs the tokenizer: the export folder also holds the
+policy's tokenizer and a preprocessor config (vLLM loads both while it starts).
+
 NgramRL drafting runs inside vLLM (see `vllm_proposer.py`); acceptance counters come from
 vLLM's own metrics (`get_metrics`), as differences per generate call.
 
@@ -41,7 +55,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model
+from loomrl.platform.backbone.hf_io import (decoder_tensors, export_language_model, text_config,
+                                            write_folder)
 from loomrl.platform.recipe import DrafterConfig, VLLMConfig
 from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.torch_engine import DraftStats
@@ -65,6 +80,54 @@ def drafting_supported(temperature: float) -> tuple[bool, str]:
         return False, ("sampled drafting in vLLM-CPU is checked exact only for vllm 0.32.x with "
                        "loomrl's expand-kernel fix; drafting inside vLLM is used for greedy rollouts only")
     return True, ""
+
+
+def uses_mrope(model) -> bool:
+    """Whether the trainer gives `model` M-RoPE (t, h, w) positions (`VLM.position_ids`)."""
+    return model.language_model.cfg.mrope_section is not None and model.image_token_id is not None
+
+
+# vision tower type -> (model_type, vLLM architecture, HF processor class) served for M-RoPE policies
+_MROPE_SERVED = {"qwen2_vl": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
+                 "qwen2_vl_vision": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
+                 "qwen2_5_vl_vision": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor")}
+
+
+def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.float32) -> None:
+    """Write an M-RoPE policy's language model as a Qwen2-VL / Qwen2.5-VL folder vLLM serves with
+    precomputed image embeddings: config.json with the vision config (for the merge size and the
+    processor; no tower weights: vLLM builds no tower when every image limit is 0), the language
+    model's tensors (hub names), the policy's tokenizer and a preprocessor config with its image
+    sizes (vLLM sizes its encoder cache by `max_pixels`)."""
+    import json
+
+    from loomrl.platform.backbone.tokenizer import load_tokenizer
+
+    lm, vcfg = model.language_model, model.cfg.vision
+    vision = model.visual.config.to_dict()
+    served = _MROPE_SERVED.get(vision.get("model_type"))
+    if served is None:
+        raise ValueError(f"vLLM: an M-RoPE policy with a vision tower of type {vision.get('model_type')!r} "
+                         f"has no vLLM architecture (expected one of {sorted(_MROPE_SERVED)})")
+    model_type, arch, processor = served
+    image = model.media_tokens_of["image"]
+    text = {**text_config(lm.cfg, dtype), "eos_token_id": model.eos_token_id, "pad_token_id": model.pad_token_id}
+    config = {"architectures": [arch], "model_type": model_type, "text_config": text, "vision_config": vision,
+              "image_token_id": image.placeholder, "tie_word_embeddings": lm.cfg.tie_word_embeddings,
+              "eos_token_id": model.eos_token_id, "torch_dtype": text["dtype"], "dtype": text["dtype"]}
+    if len(image.before) == 1 and len(image.after) == 1:
+        config["vision_start_token_id"], config["vision_end_token_id"] = image.before[0], image.after[0]
+    if model.cfg.init_from is not None:  # ids vLLM's config reads but loomrl never uses (video)
+        from loomrl.encoders.hf_checkpoint import read_config
+
+        hf = read_config(model.cfg.init_from)
+        config.update({k: hf[k] for k in ("video_token_id",) if k in hf})
+    write_folder(folder, config, decoder_tensors(lm, dtype=dtype), overwrite=True)
+    load_tokenizer(model.cfg.tokenizer).save_pretrained(folder)
+    pre = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
+           "min_pixels": vcfg.min_pixels, "max_pixels": vcfg.max_pixels, "patch_size": vcfg.patch_size,
+           "temporal_patch_size": vcfg.temporal_patch_size, "merge_size": vcfg.spatial_merge_size}
+    Path(folder, "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
 
 
 def _set_vllm_env(cfg: VLLMConfig) -> None:
@@ -129,6 +192,15 @@ class VLLMRolloutEngine:
             if not ok:
                 self.drafter_cfg = None
         self.drafter = _RemoteDrafter(self) if self.drafter_cfg else None
+        self.mrope = uses_mrope(model)  # served as vLLM's Qwen2-VL (module doc)
+        if self.mrope and self.cfg.multiprocessing:
+            from loomrl.platform.rollout import vllm_shims
+
+            if vllm_shims.torchvision_missing():
+                raise ValueError("rollout.vllm.multiprocessing: an M-RoPE policy is served as vLLM's Qwen2-VL, "
+                                 "whose module needs torchvision in vLLM's own (spawned) processes; without "
+                                 "torchvision loomrl's stand-ins apply in this process only: set "
+                                 "rollout.vllm.multiprocessing=false")
         self.last_stats = DraftStats()
         self.spec_metrics: dict = {}
         self._observed: list[tuple[str, list[int]]] = []
@@ -148,22 +220,33 @@ class VLLMRolloutEngine:
         folder = tempfile.mkdtemp(prefix="loomrl-vllm-")
         set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide
         try:
-            export_language_model(self.model.language_model, folder, torch.float32,
-                                  {"eos_token_id": self.model.eos_token_id,
-                                   "pad_token_id": self.model.pad_token_id}, overwrite=True)
+            if self.mrope:
+                from loomrl.platform.rollout import vllm_shims
+
+                vllm_shims.apply()  # vLLM's Qwen2-VL module and processor without torchvision
+                export_mrope_language_model(self.model, folder, torch.float32)
+                # token ids + image embeddings; towers not built (limits 0), tokenizer for the processor
+                inputs = dict(skip_tokenizer_init=False, enable_mm_embeds=True,
+                              limit_mm_per_prompt={"image": 0, "video": 0})
+            else:
+                export_language_model(self.model.language_model, folder, torch.float32,
+                                      {"eos_token_id": self.model.eos_token_id,
+                                       "pad_token_id": self.model.pad_token_id}, overwrite=True)
+                inputs = dict(skip_tokenizer_init=True, enable_prompt_embeds=True)
             spec = None
             if self.drafter_cfg is not None:
                 spec = {"method": "custom_class", "model": f"{P.__name__}.NgramRLProposer",
                         "num_speculative_tokens": self.drafter_cfg.k}
             t0 = time.perf_counter()
-            llm = LLM(model=folder, skip_tokenizer_init=True, dtype=self.cfg.dtype,
-                      enforce_eager=self.cfg.enforce_eager, enable_prompt_embeds=True,
+            llm = LLM(model=folder, dtype=self.cfg.dtype, enforce_eager=self.cfg.enforce_eager,
                       enable_prefix_caching=False, max_model_len=max_model_len, seed=seed,
                       # a whole rollout batch prefills in one step: vLLM-CPU 0.32 crashes ("CPU
                       # Generator does not use offset") when a seeded request's prefill is split
                       max_num_batched_tokens=max(8192, 64 * max_model_len), max_num_seqs=1024,
                       logprobs_mode="processed_logprobs", disable_log_stats=False,
-                      speculative_config=spec)
+                      speculative_config=spec, **inputs)
+            if self.mrope:  # the processor is read from the folder: have it loaded before it goes
+                llm.llm_engine.renderer.get_mm_processor().info.get_hf_processor()
             self.start_s = time.perf_counter() - t0
         finally:
             torch.set_num_threads = set_threads
@@ -188,6 +271,9 @@ class VLLMRolloutEngine:
             encodings = model.encode_media([m for p in prompts for m in p.media])
             out = []
             for p in prompts:
+                if self.mrope:
+                    out.append(self._mrope_input(p, encodings))
+                    continue
                 ids = torch.tensor([p.ids])
                 emb = model.embed(ids, [p.media], encodings)[0].to(torch.float32)
                 is_media = (ids[0] == model.image_token_id) | (ids[0] == model.audio_token_id)
@@ -195,6 +281,31 @@ class VLLMRolloutEngine:
                             "prompt_is_token_ids": (~is_media).tolist()})
         model.train(was_training)
         return out
+
+    def _mrope_input(self, p: Prompt, encodings) -> dict:
+        """A prompt for vLLM's Qwen2-VL: token ids with each image's placeholder run collapsed to
+        one placeholder (vLLM's processor expands it back from image_grid_thw) and the trainer's
+        image encodings as precomputed embeddings, in prompt order."""
+        model, image = self.model, self.model.image_token_id
+        if any(m.kind != "image" for m in p.media):
+            raise ValueError(f"prompt {p.id}: vLLM serves this M-RoPE policy with images only, "
+                             f"got {[m.kind for m in p.media]}")
+        ids, collapsed, i = list(p.ids), [], 0
+        for m in p.media:
+            n = model.media_tokens(m)
+            j = ids.index(image, i) if image in ids[i:] else len(ids)
+            if ids[j:j + n] != [image] * n:
+                raise ValueError(f"prompt {p.id}: an image's {n} placeholders are not where expected")
+            collapsed += ids[i:j + 1]
+            i = j + n
+        if image in ids[i:]:
+            raise ValueError(f"prompt {p.id}: more image placeholders than images")
+        inp: dict = {"prompt_token_ids": collapsed + ids[i:]}
+        if p.media:
+            inp["multi_modal_data"] = {"image": {
+                "image_embeds": torch.cat([encodings[m.key] for m in p.media]).to(torch.float32),
+                "image_grid_thw": torch.stack([m.grid for m in p.media])}}
+        return inp
 
     def _spec_counters(self) -> dict:
         """vLLM's cumulative speculative-decoding counters."""
@@ -225,12 +336,13 @@ class VLLMRolloutEngine:
         # drawn from the run's generator, so a seeded run is reproducible.
         seeds = torch.randint(0, 2**31 - 1, (len(prompts) * params.n,), generator=generator).tolist()
         engine = self.llm.llm_engine
+        detok = {"detokenize": False} if self.mrope else {}  # the M-RoPE path loads a tokenizer
         for pi, inp in enumerate(inputs):
             for j in range(params.n):
                 sp = VSP(n=1, temperature=params.temperature, top_p=params.top_p,
                          max_tokens=params.max_new_tokens, logprobs=0, seed=seeds[pi * params.n + j],
                          stop_token_ids=[self.model.eos_token_id], allowed_token_ids=self.allowed,
-                         output_kind=RequestOutputKind.FINAL_ONLY)
+                         output_kind=RequestOutputKind.FINAL_ONLY, **detok)
                 engine.add_request(P.request_id(batch, pi, j), inp, sp)
         finished = {}
         steps = 0
@@ -246,6 +358,9 @@ class VLLMRolloutEngine:
                 out = next((o for k, o in finished.items() if k.startswith(rid + "-") or k == rid), None)
                 if out is None:
                     raise RuntimeError(f"vLLM returned no output for request {rid} (prompt {prompts[pi].id})")
+                if self.mrope and list(out.prompt_token_ids) != list(prompts[pi].ids):
+                    raise RuntimeError(f"vLLM expanded prompt {prompts[pi].id} to other token ids than the "
+                                       f"trainer's ({len(out.prompt_token_ids)} vs {len(prompts[pi].ids)} tokens)")
                 c = out.outputs[0]
                 ids = list(c.token_ids)
                 logps = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs)]
@@ -270,6 +385,11 @@ class VLLMRolloutEngine:
         return RolloutResult(rollouts, steps, time.perf_counter() - start, seq_forwards)
 
     # ------------------------------------------------------------------ drafter + weights
+
+    def generate_plain(self, prompts: list[Prompt], params: SamplingParams,
+                       generator: Optional[torch.Generator] = None) -> Optional[RolloutResult]:
+        """None: drafting is configured when vLLM starts, so no plain run side by side."""
+        return None
 
     def observe(self, prompt_id: str, completion_ids: list[int]) -> None:
         """Feed a finished rollout into the drafter's history (sent with the next batch)."""
@@ -312,6 +432,11 @@ class VLLMRolloutEngine:
                     raise ValueError("weight sync: lm_head.weight missing for an untied head")
                 tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
         self.llm.collective_rpc(rpc_reload, args=(save(tensors),))
+        if self.mrope:
+            # The worker's reload empties its encoder cache (image embeddings by content hash)
+            # but vLLM's scheduler still counts them as cached: the next request with an image
+            # seen before fails ("Encoder cache miss"). Reset both sides.
+            self.llm.llm_engine.reset_encoder_cache()
         self.version = version
 
 
