@@ -34,3 +34,18 @@ def samples(demo_shards, model, tokenizer):
     _, files = demo_shards
     # shard order (no shuffle): image, audio, both, image, ...
     return PromptSource(ShardStream(files, shuffle_buffer=0), model, tokenizer, ModelConfig()).next(24)
+
+
+@pytest.fixture()
+def loomrl_log(caplog):
+    """caplog for the `loomrl` logger, which stops propagating once a CLI has set up logging."""
+    import logging
+
+    logger = logging.getLogger("loomrl")
+    propagate, level = logger.propagate, logger.level
+    logger.addHandler(caplog.handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.propagate, logger.level = propagate, level

@@ -75,3 +75,53 @@ def test_image_pixel_limit_and_garbage_rejected():
         decode_image(buf.getvalue(), max_pixels=10_000)
     with pytest.raises(Exception):
         load_medium("image", b"not an image at all", ModelConfig())
+
+
+def test_audio_length_is_checked_before_decoding():
+    """10 minutes of FLAC silence is a few KB; the reader refuses it from the header, never
+    decoding it (and refuses a header that does not give the length)."""
+    import soundfile as sf
+
+    from loomrl.encoders.media import decode_audio
+
+    def silent_flac(seconds, unknown_length=False):
+        buf = io.BytesIO()
+        with sf.SoundFile(buf, "w", samplerate=8000, channels=1, format="FLAC", subtype="PCM_16") as f:
+            for _ in range(int(seconds // 60)):
+                f.write(np.zeros(8000 * 60, dtype=np.int16))
+        data = bytearray(buf.getvalue())
+        if unknown_length:  # STREAMINFO's 36-bit total sample count set to 0: "unknown"
+            data[8 + 13] &= 0xF0
+            data[8 + 14: 8 + 18] = b"\0\0\0\0"
+        return bytes(data)
+
+    bomb = silent_flac(600)
+    assert len(bomb) < 50_000
+    with pytest.raises(ValueError, match="clip of 600.0 s is over the limit of 60 s"):
+        decode_audio(bomb, 16000)
+    with pytest.raises(ValueError, match="header does not give its length"):
+        decode_audio(silent_flac(60, unknown_length=True), 16000)
+    with pytest.raises(ValueError, match="over the limit of 60 s"):
+        load_medium("audio", bomb, ModelConfig())
+    assert decode_audio(bomb, 8000, max_seconds=600).shape == (600 * 8000,)
+    assert decode_audio(silent_flac(60), 8000).shape == (60 * 8000,)
+
+
+def test_resampling_cost_is_bounded_by_the_rates():
+    """torchaudio's kernel grows with the rates' reduced ratio: a 10 ms WAV whose header says
+    44101 Hz needs 12 GB to go to 16 kHz. Such rate pairs are refused; common ones are not."""
+    import soundfile as sf
+
+    from loomrl.encoders.media import decode_audio
+
+    def wav(rate):
+        buf = io.BytesIO()
+        sf.write(buf, np.zeros(rate // 100, dtype=np.float32), rate, format="WAV", subtype="PCM_16")
+        return buf.getvalue()
+
+    with pytest.raises(ValueError, match="1001 Hz cannot be resampled to 8000 Hz"):
+        decode_audio(wav(1001), 8000)  # before the bound: a 8-million-value kernel, ~0.3 GB
+    with pytest.raises(ValueError, match="44101 Hz cannot be resampled to 16000 Hz"):
+        decode_audio(wav(44101), 16000)
+    for rate in (8000, 11025, 22050, 44100, 48000, 96000):
+        assert decode_audio(wav(rate), 16000).shape == (160,)

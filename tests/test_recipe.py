@@ -88,3 +88,37 @@ def test_lr_warmup_ramps_linearly_then_holds():
     assert rl_lr(TrainingConfig(lr=1e-3), 0) == 1e-3
     with pytest.raises(RecipeError, match="training.lr_warmup_steps"):
         load_recipe(DEMO, ["training.lr_warmup_steps=-1"])
+
+
+def alias_bomb(levels: int, width: int = 9) -> str:
+    """A YAML 'billion laughs': each level is a list of `width` aliases of the one below."""
+    rows = ["  - &l0 [" + ", ".join(["lol"] * width) + "]"]
+    rows += [f"  - &l{i} [" + ", ".join([f"*l{i - 1}"] * width) + "]" for i in range(1, levels)]
+    return "data:\n shards:\n" + "\n".join(" " + r for r in rows) + "\n"
+
+
+@pytest.mark.parametrize("levels", [6, 9])
+def test_yaml_alias_bombs_are_refused_quickly(tmp_path, levels):
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(RecipeError, match="alias") as e:
+        load_recipe(write(tmp_path, alias_bomb(levels)), files=False)
+    assert time.perf_counter() - t0 < 2 and len(str(e.value)) < 300
+    with pytest.raises(RecipeError, match="alias"):  # and in an override
+        load_recipe(DEMO, ["rollout.n=[&a [1, 1, 1, 1, 1, 1, 1, 1], &b [*a, *a, *a, *a, *a, *a, *a, *a], "
+                           "&c [*b, *b, *b, *b, *b, *b, *b, *b], &d [*c, *c, *c, *c, *c, *c, *c, *c], "
+                           "&e [*d, *d, *d, *d, *d, *d, *d, *d], [*e, *e, *e, *e, *e, *e, *e, *e]]"], files=False)
+    with pytest.raises(RecipeError, match="refers to itself"):
+        load_recipe(write(tmp_path, "algorithm: {rewards: &a [*a]}"), files=False)
+    r = load_recipe(write(tmp_path, "training: {steps: &s 4}\nrollout: {n: *s}\n"), files=False)  # plain aliases
+    assert r.training.steps == r.rollout.n == 4
+
+
+def test_values_quoted_in_messages_are_capped(tmp_path):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, "rollout: {n: '" + "x" * 100_000 + "'}"), files=False)
+    assert str(e.value).startswith("rollout.n: expected an integer, got 'xxx") and len(str(e.value)) < 300
+    with pytest.raises(RecipeError) as e:
+        load_recipe(DEMO, ["training.steps=[" + ", ".join(["123456789"] * 1000) + "]"], files=False)
+    assert str(e.value).startswith("training.steps: expected an integer, got [123456789") and len(str(e.value)) < 300

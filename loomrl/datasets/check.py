@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError, load_sample, read_header, scan_shard
-from loomrl.encoders.media import decode_audio, decode_image
+from loomrl.encoders.media import MAX_AUDIO_SECONDS, decode_audio, decode_image
 
 
 @dataclass
@@ -33,7 +33,8 @@ def _fault(e: ShardError) -> Fault:
 
 
 def verify_shard(path: str, *, sample_rate: int = 16000, max_pixels: int = 50_000_000,
-                 max_member_bytes: int = MAX_MEMBER_BYTES) -> Iterator[tuple[str, Fault | None]]:
+                 max_member_bytes: int = MAX_MEMBER_BYTES,
+                 max_audio_seconds: float = MAX_AUDIO_SECONDS) -> Iterator[tuple[str, Fault | None]]:
     """(sample key, fault or None) for every sample of a shard. A fault in the
     tar structure (hostile member, damage) ends the shard with one fault."""
     try:
@@ -45,7 +46,8 @@ def verify_shard(path: str, *, sample_rate: int = 16000, max_pixels: int = 50_00
                     yield ref.key, _fault(e)
                     continue
                 members = [m["member"] for m in read_header(fh, ref).get("media", [])]
-                yield ref.key, _decode_fault(ref.shard, ref.key, members, sample, sample_rate, max_pixels)
+                yield ref.key, _decode_fault(ref.shard, ref.key, members, sample, sample_rate, max_pixels,
+                                             max_audio_seconds)
     except ShardError as e:
         yield e.key or "", _fault(e)
     except OSError as e:
@@ -53,13 +55,13 @@ def verify_shard(path: str, *, sample_rate: int = 16000, max_pixels: int = 50_00
 
 
 def _decode_fault(shard: str, key: str, members: list[str], sample: dict, sample_rate: int,
-                  max_pixels: int) -> Fault | None:
+                  max_pixels: int, max_audio_seconds: float) -> Fault | None:
     for member, (kind, _, data) in zip(members, sample["media"]):
         try:
             if kind == "image":
                 decode_image(data, max_pixels)
             else:
-                decode_audio(data, sample_rate)
+                decode_audio(data, sample_rate, max_audio_seconds)  # the length is checked before decoding
         except Exception as e:  # whatever the decoder raises is a fault to report, not to crash on
             return Fault(shard, key, member, f"does not decode as {kind} ({type(e).__name__}: {e})")
     return None

@@ -2,7 +2,8 @@
 
 Exit codes: 0 fine; 1 the data has faults (a rejection under --strict, no
 sample written, a verify fault, an unreadable shard); 2 the command itself is
-wrong (bad option, no such manifest, no shard matches, output exists).
+wrong (bad option, no such manifest, no shard matches, output exists) or the
+output cannot be written (disk full, no permission: nothing is left behind).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def progress_wanted() -> bool:
 
 def cmd_make(args) -> int:
     from loomrl.datasets.prepare import Limits, make_shards, print_rejection
-    from loomrl.datasets.shards import check_pattern
+    from loomrl.datasets.shards import check_pattern, existing_shards
 
     try:
         check_pattern(args.out)
@@ -57,6 +58,10 @@ def cmd_make(args) -> int:
         print(f"error: --out: {len(existing)} file(s) already match {args.out!r} (first: {existing[0]}); "
               f"remove them or choose another --out", file=sys.stderr)
         return 2
+    if os.path.lexists(_rejected_path(args.out)):
+        print(f"error: --out: {_rejected_path(args.out)} already exists (an earlier make's rejections); "
+              f"remove it or choose another folder for --out", file=sys.stderr)
+        return 2
     limits = Limits(sample_rate=args.sample_rate, max_pixels=args.max_pixels,
                     max_audio_seconds=args.max_audio_seconds, max_file_bytes=args.max_file_bytes)
     try:
@@ -65,6 +70,11 @@ def cmd_make(args) -> int:
                              progress=progress_wanted())
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, no permission: make_shards has removed what it wrote
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}; no shard was written and no partial file is left",
+              file=sys.stderr)
         return 2
     print(result.summary())
     if result.rejected:
@@ -76,16 +86,6 @@ def cmd_make(args) -> int:
         print(f"error: --strict: {len(result.rejected)} sample(s) rejected", file=sys.stderr)
         return 1
     return 0
-
-
-def existing_shards(pattern: str) -> list[str]:
-    """Files (and leftover .tmp files) a printf shard pattern would name."""
-    folder, name = os.path.split(pattern)
-    if not os.path.isdir(folder or "."):
-        return []
-    parts = re.split(r"%[-#0 +]*\d*[diouxX]", name)
-    regex = r"[0-9a-fA-F]+".join(re.escape(p) for p in parts) + r"(\.tmp)?"
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder or ".") if re.fullmatch(regex, f))
 
 
 def _rejected_path(pattern: str) -> str:
@@ -104,7 +104,8 @@ def cmd_verify(args) -> int:
         return 2
     result = verify_shards(files, on_fault=lambda f: print(f"FAULT {f}", file=sys.stderr, flush=True),
                            progress=progress_wanted(), sample_rate=args.sample_rate,
-                           max_pixels=args.max_pixels, max_member_bytes=args.max_member_bytes)
+                           max_pixels=args.max_pixels, max_member_bytes=args.max_member_bytes,
+                           max_audio_seconds=args.max_audio_seconds)
     status = "OK" if not result.faults else f"{len(result.faults)} FAULT(S)"
     print(f"verified {result.samples} samples in {result.shards} shard(s): {status}")
     return 1 if result.faults else 0
@@ -170,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "verify":
             p.add_argument("--sample-rate", type=int, default=16000, help="rate audio is decoded at")
             p.add_argument("--max-pixels", type=int, default=50_000_000, help="largest image accepted")
+            p.add_argument("--max-audio-seconds", type=float, default=60.0,
+                           help="longest clip accepted, checked from its header before decoding")
         else:
             p.add_argument("--json", action="store_true", help="print the numbers as JSON")
         p.set_defaults(fn=fn)

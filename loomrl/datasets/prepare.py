@@ -87,28 +87,25 @@ def prepare_audio(data: bytes, limits: Limits) -> bytes:
     """Mono 16-bit WAV at the target rate of a valid clip; raises Reject."""
     import soundfile as sf
 
+    from loomrl.encoders.media import AudioTooLong, read_audio, resample
+
     try:
-        info = sf.info(io.BytesIO(data))
+        # The same reader the trainer uses: the length is checked from the header before
+        # decoding, so a 10-hour file is refused cheaply.
+        wave, sr = read_audio(data, limits.max_audio_seconds)
+    except AudioTooLong as e:
+        raise Reject("audio-too-long", str(e)) from None
     except Exception as e:  # libsndfile: "Format not recognised", "unspecified internal error", ...
         raise Reject("bad-audio", f"not audio soundfile can read ({_sf_message(e)})") from None
-    # Check the length from the header before decoding: a 10-hour file is refused cheaply.
-    if info.frames > limits.max_audio_seconds * info.samplerate:
-        raise Reject("audio-too-long", f"clip of {info.frames / info.samplerate:.1f} s is over the limit "
-                                       f"of {limits.max_audio_seconds:g} s")
-    try:
-        wave, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as e:
-        raise Reject("bad-audio", f"cannot decode ({_sf_message(e)})") from None
     if wave.size == 0:
         raise Reject("empty-audio", "clip has no samples")
     if not np.isfinite(wave).all():
         raise Reject("bad-audio", "clip has NaN or infinite samples")
     wave = wave.mean(axis=1)
-    if sr != limits.sample_rate:
-        import torch
-        import torchaudio.functional as AF
-
-        wave = AF.resample(torch.from_numpy(wave), sr, limits.sample_rate).numpy()
+    try:
+        wave = resample(wave, sr, limits.sample_rate)  # refuses rates whose resampling kernel is huge
+    except ValueError as e:
+        raise Reject("bad-audio", str(e)) from None
     if wave.size == 0:
         raise Reject("empty-audio", f"clip is shorter than one sample at {limits.sample_rate} Hz")
     buf = io.BytesIO()
@@ -198,7 +195,9 @@ def make_shards(source: str, pattern: str, *, maxcount: int = 1000, maxsize: Opt
                 progress: bool = False) -> MakeResult:
     """Validate every sample of the manifest(s) at `source` and write the good ones
     with `write_shards`; every rejection goes to `on_reject` and to
-    DIR/rejected.jsonl (DIR = the pattern's folder; written even when empty)."""
+    DIR/rejected.jsonl (DIR = the pattern's folder; written even when empty; an
+    existing one is never overwritten: FileExistsError). On failure (an OSError
+    such as a full disk, naming the file) nothing of this call is left behind."""
     import time
 
     from tqdm import tqdm
@@ -208,12 +207,17 @@ def make_shards(source: str, pattern: str, *, maxcount: int = 1000, maxsize: Opt
     result = MakeResult()
     out_dir = os.path.dirname(pattern) or "."
     os.makedirs(out_dir, exist_ok=True)
+    rej_path = os.path.join(out_dir, "rejected.jsonl")
     bar = tqdm(total=manifest.count_lines() if progress else None, disable=not progress,
                unit="sample", desc="shards make", dynamic_ncols=True)
 
     def reject(r: Rejection) -> None:
         result.rejected.append(r)
-        rej_file.write(json.dumps(r.to_json()) + "\n")
+        try:  # line-buffered: a full disk shows up here, naming the file, not at the close
+            rej_file.write(json.dumps(r.to_json()) + "\n")
+        except OSError as e:
+            e.filename = e.filename or rej_path
+            raise
         on_reject(r)
 
     def good_samples() -> Iterator[dict]:
@@ -245,14 +249,26 @@ def make_shards(source: str, pattern: str, *, maxcount: int = 1000, maxsize: Opt
     # Samples are decoded in parallel threads; torch's own intra-op threads for each
     # small resample would only oversubscribe the cores (measured: 1000 samples took
     # 27 s instead of 4.6 s on 2 busy cores). Restored afterwards.
+    try:  # "x": an earlier make's rejections (another pattern in this folder) are never overwritten
+        rej_file = open(rej_path, "x", buffering=1)
+    except OSError:
+        bar.close()
+        raise
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    with open(os.path.join(out_dir, "rejected.jsonl"), "w") as rej_file:
-        try:
-            result.shards = write_shards(good_samples(), pattern, maxcount, maxsize)
-        finally:
-            bar.close()
-            torch.set_num_threads(torch_threads)
+    try:
+        result.shards = write_shards(good_samples(), pattern, maxcount, maxsize)
+        rej_file.close()  # line-buffered: nothing is left to write
+    except BaseException:  # write_shards has removed its files; this one goes too, so a rerun is clean
+        for step in (rej_file.close, lambda: os.remove(rej_path)):
+            try:
+                step()
+            except OSError:  # a full disk fails the close's flush too; the file goes anyway
+                pass
+        raise
+    finally:
+        bar.close()
+        torch.set_num_threads(torch_threads)
     result.seconds = time.perf_counter() - t0
     return result
 

@@ -15,9 +15,11 @@ needs against hostile or damaged tars:
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import tarfile
@@ -25,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Iterable, Iterator, Optional
 
 from loomrl.encoders.media import content_hash
+
+log = logging.getLogger(__name__)
 
 MAX_MEMBER_BYTES = 64 << 20
 """Default bound on one member (one image, clip or sample header)."""
@@ -109,6 +113,11 @@ def write_shards(samples: Iterable[dict], pattern: str, maxcount: int,
     `maxcount` samples and (if given) `maxsize` bytes per shard; a single sample
     larger than `maxsize` gets a shard of its own. Returns the shard paths.
 
+    Shards are written to new .tmp files and renamed when all are complete, never
+    over an existing file (FileExistsError, and the shards of this call are
+    removed). On any failure (a bad sample, a full disk: an OSError naming the
+    file) every file of this call is removed, so a rerun is not blocked.
+
     This is the one writer: `loomrl shards make` and the demo shards both use it."""
     if maxcount < 1:
         raise ValueError(f"maxcount must be at least 1, got {maxcount}")
@@ -128,42 +137,116 @@ def write_shards(samples: Iterable[dict], pattern: str, maxcount: int,
                 raise ValueError(f"sample {s['id']}: duplicate sample key {key!r}")
             keys.add(key)
             need = _tar_bytes(members)
-            if tar is not None and (count >= maxcount or (maxsize and _file_bytes(size + need) > maxsize)):
-                tar.close()
-                tar = None
-            if tar is None:
-                tmp_names.append(pattern % len(tmp_names) + ".tmp")
-                tar = tarfile.open(tmp_names[-1], "w", format=tarfile.PAX_FORMAT)
-                count = size = 0
-            for name, data in members:
-                tar.addfile(_tarinfo(name, len(data)), io.BytesIO(data))
+            current = tmp_names[-1] if tmp_names else ""
+            try:  # an OSError here (a full disk) names the file it was writing
+                if tar is not None and (count >= maxcount or (maxsize and _file_bytes(size + need) > maxsize)):
+                    tar, done = None, tar
+                    done.close()
+                if tar is None:
+                    current = pattern % len(tmp_names) + ".tmp"
+                    tar = tarfile.open(current, "x", format=tarfile.PAX_FORMAT)  # "x": never an existing file
+                    tmp_names.append(current)  # ours to remove on failure from here on
+                    count = size = 0
+                for name, data in members:
+                    tar.addfile(_tarinfo(name, len(data)), io.BytesIO(data))
+            except OSError as e:
+                e.filename = e.filename or current
+                raise
             count += 1
             size += need
         if tar is not None:
-            tar.close()
-            tar = None
+            tar, done = None, tar
+            try:
+                done.close()
+            except OSError as e:
+                e.filename = e.filename or tmp_names[-1]
+                raise
     except BaseException:
         if tar is not None:
-            tar.close()
-        for t in tmp_names:
-            if os.path.exists(t):
-                os.remove(t)
+            try:
+                tar.close()  # closes the file even when writing the end of the archive fails
+            except OSError:
+                pass  # the disk that failed a write fails this one too; the file is removed below
+        _remove(tmp_names)
         raise
-    written = []
-    for t in tmp_names:
-        os.replace(t, t[: -len(".tmp")])
-        written.append(t[: -len(".tmp")])
-    return written
+    return _publish(tmp_names)
+
+
+def _remove(paths: Iterable[str]) -> None:
+    """Remove what a failed write left, going on past files that are gone or will not go."""
+    for p in paths:
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("warning: could not remove %s: %s", p, e.strerror or e)
+
+
+def _publish(tmp_names: list[str]) -> list[str]:
+    """Give the .tmp files their final names, never replacing an existing file: a hard
+    link fails when the name is taken (where there are no hard links: a check, then a
+    rename). If one name is taken, the shards already renamed are removed again."""
+    done: list[str] = []
+    try:
+        for t in tmp_names:
+            final = t[: -len(".tmp")]
+            try:
+                os.link(t, final)
+            except FileExistsError:
+                raise FileExistsError(errno.EEXIST, "a shard of this name already exists; not replaced",
+                                      final) from None
+            except OSError:
+                if os.path.lexists(final):
+                    raise FileExistsError(errno.EEXIST, "a shard of this name already exists; not replaced",
+                                          final) from None
+                os.rename(t, final)
+            done.append(final)
+    except BaseException:
+        _remove(done + tmp_names)
+        raise
+    _remove(tmp_names)
+    return done
+
+
+# A printf conversion in a shard pattern: a literal "%%", an integer field, or anything else.
+_PATTERN_TOKEN = re.compile(r"%%|%[-#0 +]*[0-9]*(?:[.][0-9]+)?[hlL]?[diouxX]|%")
 
 
 def check_pattern(pattern: str) -> None:
-    """A shard pattern must number its shards: `dir/name-%06d.tar`."""
-    try:
-        a, b = pattern % 0, pattern % 1
-    except (TypeError, ValueError):
-        a = b = None
-    if a is None or a == b:
-        raise ValueError(f"shard pattern {pattern!r} needs one printf number field, e.g. 'dir/name-%06d.tar'")
+    """A shard pattern numbers its shards with one printf integer field in the file
+    name: `dir/name-%06d.tar` (%d, %i, %u, %x, %X, %o with flags and width; `%%` is a
+    literal %). Anything else (%s, %e, %r, a second field, a field in the folder) is
+    refused: the check for existing shards could not know the names it makes."""
+    folder, name = os.path.split(pattern)
+    tokens = [m.group() for m in _PATTERN_TOKEN.finditer(name) if m.group() != "%%"]
+    ok = "%" not in folder and len(tokens) == 1 and tokens[0] != "%"
+    if ok:
+        try:
+            ok = pattern % 0 != pattern % 1
+        except (TypeError, ValueError):
+            ok = False
+    if not ok:
+        raise ValueError(f"shard pattern {pattern!r} needs one printf number field, an integer one (%d, %06d, "
+                         f"%x, ...), in its file name and no other %, e.g. 'dir/name-%06d.tar'")
+
+
+def existing_shards(pattern: str) -> list[str]:
+    """Files (and leftover .tmp files) a valid shard pattern (see `check_pattern`) would name."""
+    folder, name = os.path.split(pattern)
+    if not os.path.isdir(folder or "."):
+        return []
+    regex = ""
+    for m in re.finditer(r"%%|%[^diouxX%]*[diouxX]|[^%]+", name):
+        text = m.group()
+        if text == "%%":
+            regex += "%"
+        elif text.startswith("%"):
+            regex += r"[ +]*(?:0[xXo])?[0-9a-fA-F]+ *"  # any number, any padding, any base
+        else:
+            regex += re.escape(text)
+    regex += r"(?:\.tmp)?"
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder or ".") if re.fullmatch(regex, f))
 
 
 # --------------------------------------------------------------------------- reading

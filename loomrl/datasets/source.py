@@ -2,19 +2,25 @@
 shuffle buffer, rank split, resumable position), media decoded and preprocessed
 once per content hash (a bounded LRU), prompts tokenized for the policy.
 
-A sample whose media cannot be decoded, or whose prompt markers do not match its
-media, is skipped, reported on stderr and counted (`skipped`), never silently lost.
+A sample that cannot be read (damaged in the shard: see `ShardStream`), whose media
+cannot be decoded (a clip over the length limit included), or whose prompt markers
+do not match its media, is skipped, named in a warning (the `loomrl` logger) and
+counted (`skipped`, kept in the checkpointed state), never silently lost; the
+position moves past it, so a resumed run does not meet it again. A whole epoch
+without one usable sample is an error, not an endless loop.
 """
 from __future__ import annotations
 
-import sys
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from loomrl.datasets.stream import ShardStream
 from loomrl.encoders.media import Medium, load_medium
-from loomrl.platform.recipe import ModelConfig
+from loomrl.platform.recipe import ModelConfig, RecipeError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +45,7 @@ class PromptSource:
         self._media_cap = media_cache
         self._it: Optional[Iterator[dict]] = None
         self._state = stream.state()
+        self._bad_since: Optional[int] = None  # epoch of the first of the current run of skipped samples
 
     def _medium(self, kind: str, digest: str, data: bytes) -> Medium:
         m = self._media.get(digest)
@@ -49,14 +56,19 @@ class PromptSource:
             self._media.popitem(last=False)
         return m
 
+    def _skip(self, where: str, why: str) -> None:
+        self.skipped.append((where, why))
+        log.warning("warning: skipping %s: %s", where, why)
+
     def _prepare(self, rec: dict) -> Optional[PromptSample]:
+        if "error" in rec:  # the stream could not read this sample from its shard
+            self._skip(rec["source"], rec["error"])
+            return None
         try:
             media = [self._medium(kind, digest, data) for kind, digest, data in rec["media"]]
             ids = self.model.prompt_ids(self.tokenizer, rec["prompt"], media)
         except Exception as e:  # a bad sample is reported and counted, never silently lost
-            where, why = rec.get("source", rec.get("id", "?")), f"{type(e).__name__}: {e}"
-            self.skipped.append((where, why))
-            print(f"warning: skipping {where}: {why}", file=sys.stderr)
+            self._skip(rec.get("source", rec.get("id", "?")), f"{type(e).__name__}: {e}")
             return None
         record = {k: rec[k] for k in ("id", "prompt", "answer", "meta") if k in rec}
         return PromptSample(record, ids, media)
@@ -72,6 +84,15 @@ class PromptSource:
             sample = self._prepare(rec)
             if sample is not None:
                 out.append(sample)
+                self._bad_since = None
+                continue
+            epoch = rec["position"][0]
+            if self._bad_since is None:
+                self._bad_since = epoch
+            elif epoch >= self._bad_since + 2:  # every sample of epoch _bad_since + 1 was skipped
+                where, why = self.skipped[-1]
+                raise RecipeError(f"data.shards: no usable sample in a whole epoch of {len(self.stream.files)} "
+                                  f"shard(s): every one was skipped (the last: {where}: {why})")
         self.served += len(out)
         return out
 

@@ -20,6 +20,14 @@ world_size) and is computed from tar *headers*: the buffer holds references
 the position a small dict {epoch, index, fingerprint}: resuming replays the
 epoch's reference sequence up to `index` from headers alone and goes on with
 the next unseen sample, in the order an uninterrupted run would have had.
+
+A sample that cannot be read (a member that fails its sha256, a truncated or
+unreadable member, a bad .json) does not end the stream: it comes as a record
+{error, source, position} in its place, so the consumer can skip, count and
+name it, and the position moves past it like past any sample (a resume does
+not meet it again). A shard whose tar headers are damaged part-way gives its
+samples up to the damage, then one such record for the rest of the shard;
+that record takes a place in the order like a sample (one rank, one worker).
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ from typing import BinaryIO, Iterator, Optional, Union
 
 import torch
 
-from loomrl.datasets.shards import MAX_MEMBER_BYTES, SampleRef, load_sample, scan_shard
+from loomrl.datasets.shards import MAX_MEMBER_BYTES, SampleRef, ShardError, load_sample, scan_shard
 
 
 def buffered_shuffle(items: Iterator, size: int, rng: random.Random) -> Iterator:
@@ -55,9 +63,20 @@ def _seed(*parts: int) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(parts).encode()).digest()[:8], "little")
 
 
+def _unreadable(shard: str, key: Optional[str], e: OSError) -> ShardError:
+    return ShardError(shard, f"cannot be read ({e.strerror or e})", key=key)
+
+
+def _error_record(e: ShardError) -> dict:
+    """What the stream yields in place of a sample it cannot read."""
+    why = e.reason if e.member is None else f"member {e.member} {e.reason}"
+    return {"error": why, "source": e.shard if e.key is None else f"{e.shard}:{e.key}"}
+
+
 class ShardStream(torch.utils.data.IterableDataset):
     """Samples {id, prompt, answer, meta, media: [(kind, sha256, bytes)], source,
-    position} streamed from shards, epoch after epoch (forever if `epochs` is None).
+    position} streamed from shards, epoch after epoch (forever if `epochs` is None);
+    in place of a sample that cannot be read, {error, source, position}.
 
     In one process, `state()` is the position after the last sample yielded;
     with DataLoader workers, take `state_after(record)` of the last record the
@@ -110,18 +129,24 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     # ------------------------------------------------------------------ order
 
-    def epoch_refs(self, epoch: int) -> Iterator[SampleRef]:
-        """This rank's references for one epoch, in emission order (headers only)."""
+    def epoch_refs(self, epoch: int) -> Iterator[Union[SampleRef, ShardError]]:
+        """This rank's references for one epoch, in emission order (headers only); a shard
+        whose headers cannot be read from some point on gives a ShardError there."""
         files = list(self.files)
         if self.shuffle_buffer > 0:
             random.Random(_seed(self.seed, epoch)).shuffle(files)
 
-        def mine() -> Iterator[SampleRef]:
+        def mine() -> Iterator[Union[SampleRef, ShardError]]:
             g = 0
             for f in files:
-                for ref in scan_shard(f, self.max_member_bytes):
+                try:
+                    for ref in scan_shard(f, self.max_member_bytes):
+                        if g % self.world_size == self.rank:
+                            yield ref
+                        g += 1
+                except (ShardError, OSError) as e:  # the rest of this shard is lost; the order goes on
                     if g % self.world_size == self.rank:
-                        yield ref
+                        yield e if isinstance(e, ShardError) else _unreadable(f, None, e)
                     g += 1
 
         rng = random.Random(_seed(self.seed, epoch, self.rank))
@@ -146,12 +171,20 @@ class ShardStream(torch.utils.data.IterableDataset):
                     index += 1
                     if not mine:
                         continue
-                    fh = handles.get(ref.shard)
-                    if fh is None:
-                        if len(handles) >= 8:  # refs cluster in recent shards; few handles suffice
-                            handles.pop(next(iter(handles))).close()
-                        fh = handles[ref.shard] = open(ref.shard, "rb")
-                    record = load_sample(fh, ref)
+                    if isinstance(ref, ShardError):  # the damaged rest of a shard
+                        record = _error_record(ref)
+                    else:
+                        try:
+                            fh = handles.get(ref.shard)
+                            if fh is None:
+                                if len(handles) >= 8:  # refs cluster in recent shards; few handles suffice
+                                    handles.pop(next(iter(handles))).close()
+                                fh = handles[ref.shard] = open(ref.shard, "rb")
+                            record = load_sample(fh, ref)
+                        except ShardError as e:  # the sample is lost, not the stream
+                            record = _error_record(e)
+                        except OSError as e:
+                            record = _error_record(_unreadable(ref.shard, ref.key, e))
                     record["position"] = (epoch, index - 1)
                     self.epoch, self.index = epoch, index
                     yield record

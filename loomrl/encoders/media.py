@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,19 +57,68 @@ def decode_image(data: bytes, max_pixels: int = 50_000_000):
         return im.convert("RGB")
 
 
-def decode_audio(data: bytes, sample_rate: int) -> np.ndarray:
-    """Mono float32 waveform at `sample_rate` from WAV/FLAC bytes."""
+MAX_AUDIO_SECONDS = 60.0
+"""Default longest clip a reader decodes (`loomrl shards make --max-audio-seconds`'s default)."""
+MAX_AUDIO_VALUES_PER_SECOND = 8 * 48_000
+"""Bound on decoded values (frames x channels) per second of the limit: 8 channels at 48 kHz."""
+_UNKNOWN_FRAMES = 1 << 62  # libsndfile reports "length unknown" (e.g. a streamed FLAC) as a huge count
+MAX_RESAMPLE_KERNEL = 4_000_000
+"""Bound on the resampling kernel (values). torchaudio's sinc kernel has (target/g) x
+(rate/g + filter) values, g = gcd(rate, target): tiny for common rates (44100 -> 16000:
+76 thousand; the largest among 8-384 kHz standard rates is 3.3 million) but a 10 ms WAV
+whose header says 44101 Hz would need 700 million (12 GB, a minute)."""
+
+
+class AudioTooLong(ValueError):
+    """A clip over the length limit, found before it was decoded."""
+
+
+def read_audio(data: bytes, max_seconds: float = MAX_AUDIO_SECONDS) -> tuple[np.ndarray, int]:
+    """([frames, channels] float32, sample rate) of WAV/FLAC/... bytes, refusing (AudioTooLong)
+    before decoding anything a clip over `max_seconds`, from its header: a few KB of FLAC can
+    hold hours of silence. A header without the length (a streamed FLAC) is refused too."""
     import soundfile as sf
 
-    wave, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    with sf.SoundFile(io.BytesIO(data)) as f:
+        rate, channels, frames = f.samplerate, f.channels, f.frames
+        if rate <= 0:
+            raise ValueError(f"clip has a sample rate of {rate} Hz")
+        if frames >= _UNKNOWN_FRAMES:
+            raise AudioTooLong(f"clip's header does not give its length, so it could be over the limit of "
+                               f"{max_seconds:g} s; refused")
+        if frames > max_seconds * rate:
+            raise AudioTooLong(f"clip of {frames / rate:.1f} s is over the limit of {max_seconds:g} s")
+        budget = int(max_seconds * MAX_AUDIO_VALUES_PER_SECOND)
+        if channels * frames > budget:
+            raise AudioTooLong(f"clip of {channels} channels at {rate} Hz is over the limit of {budget} decoded "
+                               f"values ({max_seconds:g} s of 8 channels at 48 kHz)")
+        return f.read(frames=frames, dtype="float32", always_2d=True), rate
+
+
+def resample(wave: np.ndarray, rate: int, target: int) -> np.ndarray:
+    """A mono waveform from `rate` to `target` Hz with torchaudio's sinc resampler, refusing
+    (ValueError) a pair of rates whose kernel would be over MAX_RESAMPLE_KERNEL."""
+    if rate == target:
+        return wave
+    g = math.gcd(rate, target)
+    o, n = rate // g, target // g
+    width = math.ceil(6 * o / (min(o, n) * 0.99))  # torchaudio's defaults: lowpass_filter_width 6, rolloff 0.99
+    if n * (2 * width + o) > MAX_RESAMPLE_KERNEL:
+        raise ValueError(f"a sample rate of {rate} Hz cannot be resampled to {target} Hz at a bounded cost (the "
+                         f"rates share only a factor of {g}); convert the clip to a common rate, e.g. 48000 Hz")
+    import torchaudio.functional as AF
+
+    return AF.resample(torch.from_numpy(np.ascontiguousarray(wave)), rate, target).numpy()
+
+
+def decode_audio(data: bytes, sample_rate: int, max_seconds: float = MAX_AUDIO_SECONDS) -> np.ndarray:
+    """Mono float32 waveform at `sample_rate` from WAV/FLAC bytes; a clip over `max_seconds`
+    is refused (ValueError) before it is decoded (see `read_audio`)."""
+    wave, sr = read_audio(data, max_seconds)
     wave = wave.mean(axis=1)
     if wave.size == 0:
         raise ValueError("empty audio clip")
-    if sr != sample_rate:
-        import torchaudio.functional as AF
-
-        wave = AF.resample(torch.from_numpy(wave), sr, sample_rate).numpy()
-    return wave
+    return resample(wave, sr, sample_rate)
 
 
 def load_medium(kind: str, data: bytes, cfg: ModelConfig) -> Medium:
@@ -82,7 +132,9 @@ def load_medium(kind: str, data: bytes, cfg: ModelConfig) -> Medium:
     if kind == "audio":
         from loomrl.encoders.audio import log_mel, preprocess_settings
 
-        features = log_mel(decode_audio(data, cfg.audio.sample_rate), cfg.audio)
+        # Clips are cut to clip_seconds; one over the readers' limit is refused before decoding.
+        wave = decode_audio(data, cfg.audio.sample_rate, max(MAX_AUDIO_SECONDS, cfg.audio.clip_seconds))
+        features = log_mel(wave, cfg.audio)
         return Medium("audio", content_hash(data), features, None,
                       settings_fingerprint(preprocess_settings(cfg.audio)))
     raise ValueError(f"unknown medium kind {kind!r}")

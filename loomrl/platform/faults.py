@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-current_step = -1  # set by the runner at the start of each RL step
+current_step = -1  # set by the trainer (and rollout workers) at the start of each RL step
 
 
 def maybe_die(point: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -465,7 +466,7 @@ class PipelineConfig:
     """Padded-token budget of one micro-batch in the layout (rows x longest row); 0 = only
     `training.micro_batch_size` rows per micro-batch."""
     rollout_workers: int = 2
-    """Rollout processes in disaggregated mode (the trainer is one more process)."""
+    """Rollout processes in disaggregated mode (beside the `training.nproc` trainer processes)."""
     prompts_per_request: int = 1
     """Prompts a rollout worker generates per request (disaggregated mode)."""
     on_worker_death: Literal["continue", "stop"] = "stop"
@@ -546,6 +547,56 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
 
 
+def _show(value: Any, limit: int = 120) -> str:
+    """A value as a message quotes it: repr'd with bounded effort (a few levels and items)
+    and cut to `limit` characters, whatever the recipe held."""
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother = 3, limit, limit
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = r.maxfrozenset = 8
+    return _cut(r.repr(value), limit)
+
+
+def _cut(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+ALIAS_BUDGET = 10_000
+"""Values that YAML aliases may add to a recipe when expanded: reusing a setting stays far
+below; a 'billion laughs' (each level a list of aliases of the one below) is refused."""
+
+
+def _check_aliases(data: Any, where: str) -> None:
+    """Refuse parsed YAML whose aliases expand past ALIAS_BUDGET extra values, or refer to
+    themselves, before anything walks or quotes it. PyYAML builds an alias as a shared
+    object, so sizes are counted once per object (memoised), never by expanding."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+    stored = 0  # values as written: each container once, with its direct items
+
+    def size(v: Any) -> int:
+        nonlocal stored
+        if not isinstance(v, (list, dict)):
+            return 1
+        if id(v) in sizes:
+            return sizes[id(v)]
+        if id(v) in active:
+            raise RecipeError(f"{where}: a YAML alias refers to itself (a recursive structure); refused")
+        active.add(id(v))
+        items = [x for kv in v.items() for x in kv] if isinstance(v, dict) else v
+        stored += 1 + len(items)
+        n = sizes[id(v)] = 1 + sum(size(x) for x in items)
+        active.discard(id(v))
+        return n
+
+    try:
+        extra = size(data) - stored
+    except RecursionError:
+        raise RecipeError(f"{where}: nested too deeply") from None
+    if extra > ALIAS_BUDGET:
+        raise RecipeError(f"{where}: YAML aliases expand to {extra} more values than are written, over the "
+                          f"limit of {ALIAS_BUDGET} (an alias bomb?); refused")
+
+
 def _convert(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -557,35 +608,35 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            raise RecipeError(f"{path}: {value!r} is not allowed; allowed values: "
+            raise RecipeError(f"{path}: {_show(value)} is not allowed; allowed values: "
                               + ", ".join(repr(a) for a in allowed))
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise RecipeError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+            raise RecipeError(f"{path}: expected a list, got {type(value).__name__} {_show(value)}")
         (inner,) = typing.get_args(tp)
         return [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if value is None:
             value = {}
         if not isinstance(value, dict):
-            raise RecipeError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+            raise RecipeError(f"{path}: expected a mapping, got {type(value).__name__} {_show(value)}")
         return _build(tp, value, path)
     if tp is bool:
         if not isinstance(value, bool):
-            raise RecipeError(f"{path}: expected true or false, got {value!r}")
+            raise RecipeError(f"{path}: expected true or false, got {_show(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise RecipeError(f"{path}: expected an integer, got {value!r}")
+            raise RecipeError(f"{path}: expected an integer, got {_show(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RecipeError(f"{path}: expected a number, got {value!r}")
+            raise RecipeError(f"{path}: expected a number, got {_show(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise RecipeError(f"{path}: expected a string, got {value!r}")
+            raise RecipeError(f"{path}: expected a string, got {_show(value)}")
         return value
     raise RecipeError(f"{path}: unsupported field type {tp}")  # a bug in this file, not the recipe
 
@@ -595,8 +646,8 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in names:
-            where = f"{prefix}.{key}" if prefix else key
-            raise RecipeError(f"{where}: unknown key; allowed keys here: {', '.join(names)}")
+            where = f"{prefix}.{key}" if prefix else str(key)
+            raise RecipeError(f"{_cut(where)}: unknown key; allowed keys here: {', '.join(names)}")
     kwargs = {}
     for name in names:
         if name in data:
@@ -608,12 +659,15 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
 def apply_override(data: dict, override: str) -> None:
     """Apply one `key.path=value` (value parsed as YAML) to a raw recipe dict."""
     if "=" not in override:
-        raise RecipeError(f"override {override!r}: expected key.path=value")
+        raise RecipeError(f"override {_show(override)}: expected key.path=value")
     key, raw = override.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
-        raise RecipeError(f"override {key}: cannot parse value {raw!r}: {e}") from None
+        raise RecipeError(f"override {_cut(key)}: cannot parse value {_show(raw)}: {e}") from None
+    except RecursionError:
+        raise RecipeError(f"override {_cut(key)}: value nested too deeply") from None
+    _check_aliases(value, f"override {_cut(key)}")
     parts = key.strip().split(".")
     node = data
     for i, part in enumerate(parts[:-1]):
@@ -782,12 +836,12 @@ def file_problems(r: Recipe) -> list[str]:
     for another machine (a GPU cluster) still validates here."""
     problems = []
     if r.data.demo is None and not expand_pattern(r.data.shards):
-        problems.append(f"data.shards: no files match {r.data.shards!r} (and data.demo is null, "
+        problems.append(f"data.shards: no files match {_show(r.data.shards)} (and data.demo is null, "
                         f"so none will be generated)")
     if r.model.tokenizer != "demo" and not Path(r.model.tokenizer).is_dir():
-        problems.append(f"model.tokenizer: {r.model.tokenizer!r} is not 'demo' nor a tokenizer folder")
+        problems.append(f"model.tokenizer: {_show(r.model.tokenizer)} is not 'demo' nor a tokenizer folder")
     if r.model.init_from is not None and not (Path(r.model.init_from) / "config.json").is_file():
-        problems.append(f"model.init_from: {r.model.init_from!r} is not a local HF checkpoint folder "
+        problems.append(f"model.init_from: {_show(r.model.init_from)} is not a local HF checkpoint folder "
                         f"(no config.json)")
     return problems
 
@@ -804,6 +858,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), files: bool 
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise RecipeError(f"{path}: not valid YAML: {e}") from None
+        except RecursionError:
+            raise RecipeError(f"{path}: nested too deeply") from None
+        _check_aliases(data, str(path))
         if not isinstance(data, dict):
             raise RecipeError(f"{path}: the top level must be a mapping")
     for o in overrides:

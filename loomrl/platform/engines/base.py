@@ -1,6 +1,6 @@
 """The training-engine seam and the few helpers the multi-process engines share.
 
-Every engine (torch, deepspeed, megatron) has the same surface, used by the runner:
+Every engine (torch, deepspeed, megatron) has the same surface, used by the trainer (trainer.py):
 
     engine.model                                   the module the loss function runs on
     engine.train_mini_batch(mbs, loss_fn, hook)    forward/backward every micro-batch, one
@@ -11,8 +11,11 @@ Every engine (torch, deepspeed, megatron) has the same surface, used by the runn
                                                    engine or vLLM); collective on every rank
     engine.state_dict() / load_state_dict(state)   optimizer state for exact resume
 
-Data parallelism: every rank receives the same mini-batch and trains on its share
-of the micro-batches (`rank_share`); each micro-batch loss is already normalised by
+    engine.supports_hook                           False: the engine ignores a MiniBatchHook
+
+Data parallelism: every rank rolls out its own share of a step's prompts and the
+ranks exchange the trajectories (`trajectory/sources.py`), so every rank holds the
+same mini-batch and trains on its share of the micro-batches (`rank_share`); each micro-batch loss is already normalised by
 the whole mini-batch's tokens, so the gradients of the ranks *add up* to the
 single-process gradient.
 """

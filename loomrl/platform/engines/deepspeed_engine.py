@@ -15,7 +15,7 @@ The encoding cache's single encoder backward per mini-batch (a second backward o
 the engine's) is not used here: media are encoded inside each micro-batch's forward
 (deduplicated within the micro-batch), and the gradients are the same.
 
-Rollouts do not run on this (possibly partitioned) module: the runner keeps a full
+Rollouts do not run on this (possibly partitioned) module: the trainer keeps a full
 copy of the policy and loads `export_weights()` into it after every step.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ Residual adds stay in Megatron's bias-dropout-add (working dtype); the RMSNorm r
 here is the norm itself. In FP32 this computes the same numbers as the built-in
 decoder; the engine trains FP32 parameters.
 
-Rollouts do not run on this module: the runner keeps an HF-layout copy of the policy
+Rollouts do not run on this module: the trainer keeps an HF-layout copy of the policy
 (what vLLM would serve) and loads `export_weights()` into it after every step.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A run's reward: a weighted sum of sources, each a plain callable (scored per
 completion) or a learned reward model (scored in batches). Each source's scores are
-kept so the runner can report its mean every step."""
+kept so the trainer can report its mean every step."""
 from __future__ import annotations
 
 from dataclasses import dataclass

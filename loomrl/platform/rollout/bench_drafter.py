@@ -1,6 +1,6 @@
 """`loomrl bench drafter`: replay recorded rollouts through drafters, side by side.
 
-Replay rules (../shared/traces/README.md): the first completion token comes from
+Replay rules (those the traces were recorded for): the first completion token comes from
 the prefill (1 forward, no draft); each later forward verifies the current
 draft of up to k tokens: accepted = longest prefix equal to the recorded
 continuation, committed = accepted + 1, capped at the end. tokens_per_forward

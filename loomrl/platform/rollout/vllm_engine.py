@@ -163,7 +163,7 @@ def rpc_reload(worker, blob: bytes) -> int:
 
 
 class _RemoteDrafter:
-    """The runner's view of the drafter living in vLLM's worker."""
+    """The trainer's view of the drafter living in vLLM's worker."""
 
     def __init__(self, engine: "VLLMRolloutEngine"):
         self.engine = engine

@@ -17,7 +17,7 @@ from typing import Any
 @dataclass
 class Job:
     key: str        # the group key its trajectories will carry (unique per dispatch of a prompt)
-    prompt: Any     # what the worker needs to generate it (a PromptSample in the runner)
+    prompt: Any     # what the worker needs to generate it (a PromptSample in the trainer)
     attempts: int = 0
 
 
