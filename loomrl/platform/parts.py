@@ -29,7 +29,11 @@ def shard_files(recipe: R.Recipe) -> list[str]:
         directory = str(Path(recipe.data.shards).parent)
         log.info("[data] no shards match %s; writing %d demo samples to %s/", recipe.data.shards, demo.samples,
                  directory)
-        files = write_demo_shards(directory, demo.samples, demo.samples_per_shard, demo.seed)
+        try:
+            files = write_demo_shards(directory, demo.samples, demo.samples_per_shard, demo.seed)
+        except FileExistsError as e:  # the writer never replaces a file (an interrupted write leaves .tmp)
+            raise R.RecipeError(f"data.shards: cannot write the demo shards: {e.filename} exists (left by an "
+                                f"interrupted write?); remove it and run again") from None
         if not R.expand_pattern(recipe.data.shards):
             raise R.RecipeError(f"data.shards: demo shards were written to {directory}/ "
                                 f"but {recipe.data.shards!r} does not match them")
