@@ -68,3 +68,45 @@ def test_two_runs_cannot_share_a_folder(tmp_path, demo_shards):
     finally:
         first.kill()
         first.communicate()
+
+
+def test_a_refused_resume_writes_nothing(tmp_path, demo_shards):
+    """--resume-from a checkpoint of another recipe is refused, and the folder stays free for the
+    right one (it used to keep the refused recipe.yaml, which then refused the correct resume)."""
+    d, _ = demo_shards
+    first = cli(tmp_path / "a", d, "--max-steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step-000002")
+    wrong = cli(tmp_path / "b", d, "--resume-from", ckpt, "training.lr=0.01")
+    assert wrong.returncode == 2 and "another recipe" in wrong.stderr, wrong.stderr[-2000:]
+    assert not (tmp_path / "b" / "recipe.yaml").exists()
+    right = cli(tmp_path / "b", d, "--resume-from", ckpt, "--max-steps", "3")
+    assert right.returncode == 0, right.stderr[-2000:]
+
+
+def test_a_signal_during_the_warm_up_checkpoints_it_and_resume_continues_exactly(tmp_path, demo_shards):
+    d, _ = demo_shards
+    opts = ("training.warmup.steps=30", "training.warmup.batch_size=4", "training.steps=2",
+            "algorithm.reward=rewards_for_tests:distinct_words")
+    full = cli(tmp_path / "full", d, *opts)
+    assert full.returncode == 0, full.stderr[-3000:]
+    out = tmp_path / "cut"
+    run = cli(out, d, *opts, wait=False)
+    deadline = time.time() + 120
+    while time.time() < deadline and run.poll() is None and (
+            not (out / "warmup.jsonl").exists() or len((out / "warmup.jsonl").read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    run.send_signal(15)  # SIGTERM, as a scheduler sends it
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err[-3000:]
+    assert "interrupted after warm-up step" in err and "--resume" in err, err[-2000:]
+    cut = len((out / "warmup.jsonl").read_text().splitlines())
+    assert 3 <= cut < 30
+    resumed = cli(out, d, *opts, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed the warm-up" in resumed.stdout
+    for name in ("warmup.jsonl", "metrics.jsonl"):
+        def rows(p):
+            return [{k: v for k, v in json.loads(line).items() if not k.endswith(("_s", "per_s", "_us", "speedup"))}
+                    for line in p.read_text().splitlines()]
+        assert rows(out / name) == rows(tmp_path / "full" / name), name

@@ -154,24 +154,26 @@ class Trainer:
         stream = ShardStream(files, shuffle_buffer=r.data.shuffle_buffer, seed=r.data.seed, rank=0, world_size=1)
         self.prompts = PromptSource(stream, model, self.tokenizer, r.model)
         self.reward_fn = build_sources(r.algorithm, next(model.parameters()).device)
-        if self.writer:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "recipe.yaml").write_text(R.dump(r))
         n_params = sum(p.numel() for p in model.parameters())
         log.info("[run] %s: %d shard(s), model %.2fM params, %d warm-up + %d RL steps, %s -> %s", r.name,
                  len(files), n_params / 1e6, r.training.warmup.steps, r.training.steps, r.pipeline.mode, out)
         self.progress = r.logging.progress and sys.stderr.isatty()
 
         ckpt_state = engine_state = None
+        warmup_from: Optional[int] = 0  # the warm-up step to start at; None: a checkpoint of the RL stage
         if self.resume_from is not None:
             engine_state, ckpt_state = load_checkpoint(self.resume_from, model)  # verified, or ValueError
             if ckpt_state.get("recipe") != R.to_dict(r):
                 raise ValueError(f"{self.resume_from / 'state.json'}: was written by another recipe")
-        else:
-            for name in ("metrics.jsonl", "warmup.jsonl") if self.writer else ():
-                (out / name).unlink(missing_ok=True)
-            if r.training.warmup.steps > 0:
-                self.warmup()
+            warmup_from = ckpt_state.get("warmup_step")
+        if self.writer:  # only once the checkpoint (if any) was accepted: a refused resume writes nothing
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "recipe.yaml").write_text(R.dump(r))
+            if self.resume_from is None:
+                for name in ("metrics.jsonl", "warmup.jsonl"):
+                    (out / name).unlink(missing_ok=True)
+        if warmup_from is not None and warmup_from < r.training.warmup.steps:
+            self.warmup(warmup_from, ckpt_state if self.resume_from is not None else None, engine_state)
 
         if r.algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -192,7 +194,7 @@ class Trainer:
         params += list(self.value_head.parameters()) if self.value_head is not None else []
         self.engine = build_engine(r, model, params)
         self.source = self.build_source()
-        if ckpt_state is not None:
+        if ckpt_state is not None and warmup_from is None:
             self.load_state_dict(ckpt_state, engine_state)
         self.log = MetricsLog(out, "metrics.jsonl", r.logging.tensorboard) if self.writer else NoLog()
 
@@ -208,9 +210,12 @@ class Trainer:
                                build_rollout_engine(self.recipe, self.model), self.reward_fn,
                                TrajectoryStore(self.recipe.rollout.n), generator)
 
-    def warmup(self) -> None:
+    def warmup(self, start: int = 0, state: Optional[dict] = None, engine_state: Optional[dict] = None) -> None:
         """Supervised warm-up (SFT): `training.warmup.steps` optimizer steps on reference or
-        format-only answers, before RL."""
+        format-only answers, before RL. A signal finishes the current step and writes a
+        checkpoint of the warm-up (resumed from `start` with its `state`), as during RL."""
+        import random
+
         from tqdm import tqdm
 
         from loomrl.datasets.demo import format_only_answer
@@ -218,27 +223,55 @@ class Trainer:
 
         r, model = self.recipe, self.model
         w = r.training.warmup
-        wlog = (MetricsLog(self.out, "warmup.jsonl", r.logging.tensorboard, prefix="warmup/") if self.writer
-                else NoLog())
         # Format targets carry no information about the media: train only the language model,
         # so the encoders are not pushed around by gradients that are noise for them.
         params = list(model.language_model.parameters()) if w.target == "format" else None
         engine = TorchTrainEngine(model, r.training, lr=w.lr, params=params)
-        import random
-
         rng = random.Random(r.training.seed + 1)
-        bar = tqdm(range(w.steps), desc="warm-up (SFT)", disable=not self.progress, dynamic_ncols=True)
-        for step in bar:
-            trajs = []
-            for s in self.prompts.next(w.batch_size):
-                text = s.record["answer"] if w.target == "answer" else format_only_answer(s.record["meta"], rng)
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [model.eos_token_id]
-                trajs.append(Trajectory(s.id, 0, s.ids, ids, s.media, [0.0] * len(ids), 0.0, 0))
-            mbs = micro_batches(trajs, model.pad_token_id, r.training.micro_batch_size)
-            stats = engine.train_mini_batch(mbs, sft_loss)
-            wlog.log({"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"]})
-            bar.set_postfix(loss=f"{stats['loss']:.3f}")
-        wlog.close()
+        if state is not None:  # resumed inside the warm-up
+            engine.load_state_dict(engine_state["warmup_engine"])
+            torch.set_rng_state(engine_state["torch_rng"])
+            self.prompts.load_state(state["data"])
+            version, internal, gauss = state["warmup_rng"]
+            rng.setstate((version, tuple(internal), gauss))
+            path = self.out / "warmup.jsonl"
+            if self.writer and path.exists():  # the steps after the checkpoint will be run again
+                kept = [row for row in read_metrics(path) if row["step"] < start]
+                tmp = self.out / ".warmup.jsonl.tmp"
+                tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+                tmp.replace(path)
+            log.info("[run] resumed the warm-up from %s at step %d", self.resume_from, start)
+        wlog = (MetricsLog(self.out, "warmup.jsonl", r.logging.tensorboard, prefix="warmup/") if self.writer
+                else NoLog())
+        bar = tqdm(range(start, w.steps), desc="warm-up (SFT)", disable=not self.progress, dynamic_ncols=True)
+        try:
+            with self.stop:
+                for step in bar:
+                    trajs = []
+                    for s in self.prompts.next(w.batch_size):
+                        text = (s.record["answer"] if w.target == "answer"
+                                else format_only_answer(s.record["meta"], rng))
+                        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [model.eos_token_id]
+                        trajs.append(Trajectory(s.id, 0, s.ids, ids, s.media, [0.0] * len(ids), 0.0, 0))
+                    mbs = micro_batches(trajs, model.pad_token_id, r.training.micro_batch_size)
+                    stats = engine.train_mini_batch(mbs, sft_loss)
+                    wlog.log({"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"]})
+                    bar.set_postfix(loss=f"{stats['loss']:.3f}")
+                    if self.stop.requested:
+                        raise Interrupted(step + 1, self.save_warmup(step + 1, engine, rng), "warm-up")
+        finally:
+            wlog.close()
+
+    def save_warmup(self, step: int, engine, rng) -> Path:
+        """A checkpoint inside the warm-up: the policy, the warm-up optimizer, the data position."""
+        state = {"step": 0, "version": 0, "warmup_step": step, "data": self.prompts.state(),
+                 "warmup_rng": list(rng.getstate()), "recipe": R.to_dict(self.recipe),
+                 "trajectories": {"generated": 0, "trained": 0, "dropped": 0, "dropped_by_reason": {}}}
+        engine_state = {"warmup_engine": engine.state_dict(), "torch_rng": torch.get_rng_state()}
+        if not self.writer:
+            return self.out / "checkpoints" / "step-000000"
+        return save_checkpoint(self.out / "checkpoints", 0, self.model, engine_state, state,
+                               self.recipe.checkpoint.keep_last)
 
     # ------------------------------------------------------------------ one RL step
 
@@ -579,8 +612,8 @@ class NoLog:
 class Interrupted(Exception):
     """SIGINT/SIGTERM: the current step finished and a checkpoint was written."""
 
-    def __init__(self, step: int, path: Path):
-        super().__init__(f"interrupted after RL step {step}; checkpoint {path}")
+    def __init__(self, step: int, path: Path, stage: str = "RL"):
+        super().__init__(f"interrupted after {stage} step {step}; checkpoint {path}")
         self.step, self.path = step, path
 
 
