@@ -321,7 +321,6 @@ class Trainer:
         faults.current_step = step
         if tr.lr_warmup_steps:  # a function of the step, so a resume sets it again
             self.engine.set_lr(rl_lr(tr, step))
-        enc_before = self.model.encode_totals.copy()
         shared = SharedEncodings(self.engine.model) if self.model.cfg.encoders.dedup and self.engine.supports_hook \
             else None
         loss_fn = policy_loss_fn(r, shared, self.value_head)
@@ -338,6 +337,8 @@ class Trainer:
             if not queue:
                 with phases("admit"):  # colocated: generation; disaggregated: waiting for admission
                     batches = self.source.admit(step, self.version)
+                if not held:  # the encoder work counted below is the trainer's, not the rollouts'
+                    enc_before = self.model.encode_totals.copy()
                 if not 1 <= len(batches) <= tr.mini_batches - len(held):
                     raise RuntimeError(f"RL step {step}: the trajectory source admitted {len(batches)} mini-batches "
                                        f"where {tr.mini_batches - len(held)} remain to be trained")
