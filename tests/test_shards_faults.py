@@ -226,3 +226,266 @@ def test_rejected_jsonl_of_an_earlier_make_is_not_overwritten(tmp_path, capsys):
     assert main(["make", text_manifest(tmp_path / "b.jsonl", 2, bad=0), "--out", f"{out}/val-%d.tar"]) == 2
     assert "rejected.jsonl" in capsys.readouterr().err
     assert (out / "rejected.jsonl").read_text() == first and not list(out.glob("val-*"))
+
+
+# --------------------------------------------------------------------------- item 11: `shards make` option values
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--maxcount", "0"), ("--maxcount", "-3"), ("--sample-rate", "0"), ("--sample-rate", "-16000"),
+    ("--max-pixels", "0"), ("--max-audio-seconds", "0"), ("--max-audio-seconds", "nan"),
+    ("--max-audio-seconds", "inf"), ("--maxsize", "0"), ("--maxsize", "1e999"), ("--max-file-bytes", "0"),
+    ("--workers", "0"), ("--workers", "100000"),
+])
+def test_make_refuses_option_values_it_cannot_work_with(tmp_path, capsys, option, value):
+    """Before: --maxcount 0 was a ValueError traceback, --sample-rate 0 a ZeroDivisionError one,
+    --maxsize 1e999 an OverflowError one; the others ran with the value meaning something else."""
+    manifest = text_manifest(tmp_path / "m.jsonl", 2, bad=0)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        main(["make", manifest, "--out", f"{out}/s-%d.tar", option, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}:" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_verify_refuses_option_values_it_cannot_work_with(tmp_path, capsys):
+    for option, value in (("--sample-rate", "0"), ("--max-pixels", "-1"), ("--max-member-bytes", "0"),
+                          ("--max-audio-seconds", "nan")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["verify", str(tmp_path / "x.tar"), option, value])
+        assert exit_.value.code == 2 and f"argument {option}:" in capsys.readouterr().err
+
+
+def test_make_into_a_read_only_or_unlistable_folder_is_a_clean_error(tmp_path):
+    """Real permissions: run as a user they apply to (as root, without the capabilities that
+    bypass them). Before: an unlistable folder was a PermissionError traceback (exit 1) from
+    the check for existing shards; a read-only one already gave exit 2."""
+    import shutil
+    import subprocess
+    import sys
+
+    manifest = text_manifest(tmp_path / "m.jsonl", 2, bad=0)
+    (tmp_path / "ro").mkdir(mode=0o555)
+    (tmp_path / "nolist").mkdir(mode=0o311)
+    os.chmod(tmp_path / "ro", 0o555)
+    os.chmod(tmp_path / "nolist", 0o311)
+    cases = {"ro": f"{tmp_path}/ro/s-%d.tar", "ro-sub": f"{tmp_path}/ro/sub/s-%d.tar",
+             "nolist": f"{tmp_path}/nolist/s-%d.tar"}
+    script = ("import json, os, sys\n"
+              "from loomrl.datasets.cli import main\n"
+              "if os.access(sys.argv[2], os.W_OK): print('PERMISSIONS-NOT-APPLIED'); sys.exit()\n"
+              "cases = json.loads(sys.argv[3])\n"
+              "print(json.dumps({k: main(['make', sys.argv[1], '--out', v]) for k, v in cases.items()}))\n")
+    cmd = [sys.executable, "-c", script, manifest, str(tmp_path / "ro"), json.dumps(cases)]
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root without setpriv: permissions cannot be applied")
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", *cmd]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    finally:
+        os.chmod(tmp_path / "ro", 0o755)
+        os.chmod(tmp_path / "nolist", 0o755)
+    if "PERMISSIONS-NOT-APPLIED" in run.stdout or "Operation not permitted" in run.stderr:
+        pytest.skip("cannot drop the permission-bypassing capabilities here")
+    assert "Traceback" not in run.stderr, run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"ro": 2, "ro-sub": 2, "nolist": 2}
+    assert f"{tmp_path}/ro/rejected.jsonl: Permission denied" in run.stderr
+    assert f"{tmp_path}/ro/sub: Permission denied" in run.stderr
+    assert f"cannot look for existing shards in {tmp_path}/nolist: Permission denied" in run.stderr
+    assert os.listdir(tmp_path / "ro") == [] and os.listdir(tmp_path / "nolist") == []
+
+
+# --------------------------------------------------------------------------- item 13: damaged tars pass verify
+
+
+def _tar_ends(path) -> tuple[bytes, list[int], list[int]]:
+    """(bytes, header offsets of each sample's first member, header offsets of every member)."""
+    raw = open(path, "rb").read()
+    with tarfile.open(path) as t:
+        members = t.getmembers()
+    return raw, [m.offset for m in members if m.name.endswith(".json")], [m.offset for m in members]
+
+
+def test_a_damaged_tar_is_never_ok(tmp_path, capsys):
+    """tarfile ends an archive without a word at the end of the file, at a header cut short and
+    at a damaged header, and opens a file of zeros as an empty archive. Before: a shard cut at a
+    sample boundary, cut before its end-of-archive blocks, with a sample's header overwritten,
+    or all zeros verified "OK" (exit 0), and training read the shorter shard as whole."""
+    from loomrl.datasets.shards import ShardError, read_shards
+    from loomrl.datasets.stream import ShardStream
+
+    (good,) = write_shards(demo(3), str(tmp_path / "good-%d.tar"), maxcount=10)
+    raw, sample_starts, _ = _tar_ends(good)
+    last_data_end = len(raw.rstrip(b"\0"))
+    last_data_end += -last_data_end % 512
+    damaged = {
+        "cut-at-sample": (raw[: sample_starts[2]], "ends at byte"),
+        "no-end-blocks": (raw[:last_data_end], "without the two zero blocks"),
+        "one-end-block": (raw[: last_data_end + 512], "without the two zero blocks"),
+        "header-overwritten": (raw[: sample_starts[1]] + b"\xff" * 512 + raw[sample_starts[1] + 512:],
+                               f"damaged tar header at byte {sample_starts[1]}"),
+        "zeros": (bytes(10240), "has no samples"),
+    }
+    with tarfile.open(tmp_path / "empty.tar", "w"):
+        pass
+    paths = {"empty": (str(tmp_path / "empty.tar"), "has no samples")}
+    for name, (data, _) in damaged.items():
+        (tmp_path / f"{name}.tar").write_bytes(data)
+        paths[name] = (str(tmp_path / f"{name}.tar"), damaged[name][1])
+
+    for name, (path, message) in paths.items():
+        assert main(["verify", path]) == 1, name
+        err = capsys.readouterr().err
+        assert f"FAULT {path}: " in err and message in err and "Traceback" not in err, (name, err)
+        with pytest.raises(ShardError, match=message):
+            list(read_shards([path]))
+        records = list(ShardStream([path], shuffle_buffer=0, epochs=1))
+        assert "error" in records[-1] and message in records[-1]["error"], name
+        assert records[-1]["source"] == path
+    # the good samples before the damage still come, and a whole shard is still whole
+    assert len(list(ShardStream([paths["cut-at-sample"][0]], shuffle_buffer=0, epochs=1))) == 2
+    assert main(["verify", good]) == 0 and "3 samples in 1 shard(s): OK" in capsys.readouterr().out
+
+
+def test_tar_headers_cannot_make_the_reader_read_unbounded(tmp_path):
+    """A damaged size field of a pax header asks tarfile to read gigabytes (or, negative, the
+    whole rest); a negative member size would make it seek backwards and read headers again."""
+    from loomrl.datasets.shards import ShardError, read_shards
+
+    long = "x" * 200 + ".json"  # a name over 100 characters: tarfile writes a pax header for it
+    data = json.dumps({"id": "x", "prompt": "p"}).encode()
+    ti = tarfile.TarInfo(long)
+    ti.size = len(data)
+    with tarfile.open(tmp_path / "pax.tar", "w", format=tarfile.PAX_FORMAT) as t:
+        t.addfile(ti, io.BytesIO(data))
+    raw = bytearray((tmp_path / "pax.tar").read_bytes())
+    assert raw[156:157] == b"x"  # the first header is the pax header
+
+    def with_size(field: bytes) -> str:
+        out = bytearray(raw)
+        out[124:136] = field
+        out[148:156] = b" " * 8  # the checksum is computed over spaces in its own field
+        out[148:156] = b"%06o\0 " % sum(out[:512])
+        path = tmp_path / f"size-{field.hex()}.tar"
+        path.write_bytes(out)
+        return str(path)
+
+    huge = with_size(b"\x80" + b"\0" * 3 + b"\x7f" * 8)  # base-256: about 2**63 bytes
+    negative = with_size(b"\xff" + b"\0" * 11)  # base-256: -(2**88): "read everything"
+    for path in (huge, negative):
+        with pytest.raises(ShardError, match="a header asks to read"):
+            list(read_shards([path]))
+        assert main(["verify", path]) == 1
+
+
+def test_a_deeply_nested_sample_header_is_a_fault_not_a_recursion_error(tmp_path, capsys):
+    """Before: json.loads raised RecursionError, which no reader caught (a verify traceback)."""
+    from loomrl.datasets.shards import ShardError, read_shards
+
+    f = text_tar(tmp_path / "deep.tar", [])
+    with tarfile.open(f, "w") as t:
+        data = b"[" * 100_000
+        ti = tarfile.TarInfo("s.json")
+        ti.size = len(data)
+        t.addfile(ti, io.BytesIO(data))
+    with pytest.raises(ShardError, match="deep.tar:s: member json is JSON nested too deeply"):
+        list(read_shards([f]))
+    assert main(["verify", f]) == 1 and "nested too deeply" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- item 14: FIFOs and devices
+
+
+@pytest.fixture()
+def fifos(tmp_path):
+    """make(name) -> the path of a new FIFO. A reader that blocks on one (the defect) is
+    released after 3 s by a writer that opens and closes it, and the test then fails on
+    `released` instead of hanging the suite."""
+    import threading
+
+    made, released, stop = [], [], threading.Event()
+
+    def release():
+        if stop.wait(3.0):
+            return
+        while not stop.wait(0.05):
+            for p in made:
+                try:
+                    fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK)  # fails (ENXIO) unless a reader waits
+                except OSError:
+                    continue
+                os.close(fd)
+                released.append(p)
+
+    def make(name: str) -> str:
+        p = str(tmp_path / name)
+        os.mkfifo(p)
+        made.append(p)
+        return p
+
+    make.released = released
+    watcher = threading.Thread(target=release, daemon=True)
+    watcher.start()
+    yield make
+    stop.set()
+    watcher.join()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
+def test_fifos_are_refused_by_verify_inspect_and_training_without_blocking(tmp_path, fifos, capsys, model,
+                                                                           tokenizer, loomrl_log):
+    """Before: each of these blocked in open() until a writer came (forever; a SIGTERM handler
+    that only sets a flag did not end it): here the fixture's writer released them after 3 s."""
+    from loomrl.datasets.shards import ShardError, read_shards
+
+    files = write_shards(demo(2), str(tmp_path / "s-%d.tar"), maxcount=10)
+    fifo = fifos("s-9.tar")
+    assert main(["verify", fifo, *files]) == 1
+    err = capsys.readouterr().err
+    assert f"FAULT {fifo}: is a FIFO (named pipe), not a regular file; only regular files are read" in err
+    assert main(["inspect", fifo]) == 1
+    assert f"{fifo}: is a FIFO" in capsys.readouterr().err
+    with pytest.raises(ShardError, match="is a FIFO"):
+        list(read_shards([fifo]))
+    # training: the FIFO is named and skipped like a damaged shard; the good samples come
+    source = source_over(sorted([fifo, *files]), model, tokenizer)
+    assert [s.id for s in source.next(3)] == ["demo-000000", "demo-000001", "demo-000000"]
+    assert source.state()["skipped"] >= 1 and f"skipping {fifo}: is a FIFO" in loomrl_log.text
+    assert fifos.released == []
+    if os.path.exists("/dev/zero"):  # a device: endless zeros, read before as an empty archive ("OK")
+        assert main(["verify", "/dev/zero"]) == 1
+        assert "/dev/zero: is a character device, not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
+def test_fifos_are_refused_by_make_as_manifest_or_medium(tmp_path, fifos, capsys):
+    """Before: a FIFO manifest was "no such manifest" (misleading); one in a manifest folder, or
+    a FIFO medium, blocked the job in open() (a medium: then rejected as an empty file)."""
+    out = tmp_path / "out"
+    manifest = fifos("m.jsonl")
+    assert main(["make", manifest, "--out", f"{out}/s-%d.tar"]) == 2
+    assert f"error: {manifest}: is a FIFO (named pipe), not a regular file" in capsys.readouterr().err
+
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    text_manifest(folder / "a.jsonl", 2, bad=0)
+    fifos("manifests/b.jsonl")
+    assert main(["make", str(folder), "--out", f"{out}/s-%d.tar"]) == 2
+    assert f"error: {folder}/b.jsonl: is a FIFO (named pipe)" in capsys.readouterr().err
+    assert not out.exists() or os.listdir(out) == []
+
+    medium = fifos("clip.wav")
+    lines = [{"id": "a", "prompt": "<audio> hi", "audio": ["clip.wav"]}, {"id": "b", "prompt": "text only"}]
+    if os.path.exists("/dev/zero"):
+        lines.append({"id": "c", "prompt": "<image> hi", "images": ["/dev/zero"]})
+    (tmp_path / "media.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["make", str(tmp_path / "media.jsonl"), "--out", f"{out}/m-%d.tar"]) == 0
+    err = capsys.readouterr().err
+    assert "rejected id=a (" in err and f"file={medium}: unreadable-file: is a FIFO (named pipe)" in err
+    if len(lines) == 3:
+        assert "file=/dev/zero: unreadable-file: is a character device" in err
+    assert "Traceback" not in err and fifos.released == []

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError, load_sample, read_header, scan_shard
+from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError, load_sample, open_shard, read_header, scan_shard
 from loomrl.encoders.media import MAX_AUDIO_SECONDS, decode_audio, decode_image
 
 
@@ -38,7 +38,7 @@ def verify_shard(path: str, *, sample_rate: int = 16000, max_pixels: int = 50_00
     """(sample key, fault or None) for every sample of a shard. A fault in the
     tar structure (hostile member, damage) ends the shard with one fault."""
     try:
-        with open(path, "rb") as fh:
+        with open_shard(path) as fh:  # a regular file only: a FIFO would block here forever
             for ref in scan_shard(path, max_member_bytes):
                 try:
                     sample = load_sample(fh, ref)
@@ -107,7 +107,8 @@ def shard_stats(files: list[str], max_member_bytes: int = MAX_MEMBER_BYTES) -> d
     samples = media_bytes = 0
     for path in files:
         n = 0
-        with open(path, "rb") as fh:
+        with open_shard(path) as fh:
+            shard_bytes = os.fstat(fh.fileno()).st_size
             for ref in scan_shard(path, max_member_bytes):
                 header = read_header(fh, ref)
                 kinds = [m["kind"] for m in header.get("media", [])]
@@ -118,7 +119,7 @@ def shard_stats(files: list[str], max_member_bytes: int = MAX_MEMBER_BYTES) -> d
                     media_bytes += size
                     unique[m["sha256"]] = size
                 n += 1
-        shards.append({"file": path, "samples": n, "bytes": os.path.getsize(path)})
+        shards.append({"file": path, "samples": n, "bytes": shard_bytes})
         samples += n
     return {
         "shards": len(shards),

@@ -20,11 +20,41 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 
 def byte_count(text: str) -> int:
-    """'3000000', '500MB', '1.5GiB' -> bytes."""
+    """'3000000', '500MB', '1.5GiB' -> bytes (at least 1)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 500MB, 1GiB, 3000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not 1 <= value < 2**63:  # "0" would silently mean "no limit"; "1e999" is infinite
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count from 1 byte to 8 EiB")
+    return int(value)
+
+
+def positive_int(text: str, most: int | None = None) -> int:
+    """A whole number of at least 1 (a count, a rate, a pixel limit), and at most `most`."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1 or (most is not None and value > most):
+        span = "at least 1" if most is None else f"from 1 to {most}"
+        raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+    return value
+
+
+def thread_count(text: str) -> int:
+    return positive_int(text, most=256)  # a thread per pending sample: a huge count would be that many threads
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text!r}")
+    return value
 
 
 def expand(patterns: list[str]) -> list[str]:
@@ -45,6 +75,7 @@ def progress_wanted() -> bool:
 
 
 def cmd_make(args) -> int:
+    from loomrl.datasets.files import NotRegularFile
     from loomrl.datasets.prepare import Limits, make_shards, print_rejection
     from loomrl.datasets.shards import check_pattern, existing_shards
 
@@ -53,7 +84,12 @@ def cmd_make(args) -> int:
     except ValueError as e:
         print(f"error: --out: {e}", file=sys.stderr)
         return 2
-    existing = existing_shards(args.out)
+    try:
+        existing = existing_shards(args.out)
+    except OSError as e:  # the target folder cannot be listed (no permission)
+        print(f"error: --out: cannot look for existing shards in {e.filename or args.out}: {e.strerror or e}",
+              file=sys.stderr)
+        return 2
     if existing:
         print(f"error: --out: {len(existing)} file(s) already match {args.out!r} (first: {existing[0]}); "
               f"remove them or choose another --out", file=sys.stderr)
@@ -68,7 +104,7 @@ def cmd_make(args) -> int:
         result = make_shards(args.source, args.out, maxcount=args.maxcount, maxsize=args.maxsize,
                              limits=limits, workers=args.workers, on_reject=print_rejection,
                              progress=progress_wanted())
-    except FileNotFoundError as e:
+    except (FileNotFoundError, NotRegularFile) as e:  # no manifest, or a FIFO or device in its place
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, no permission: make_shards has removed what it wrote
@@ -151,15 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the good ones to tar shards; bad ones go to DIR/rejected.jsonl.")
     p.add_argument("source", help="manifest .jsonl, or a folder of .jsonl files")
     p.add_argument("--out", required=True, help="shard pattern, e.g. 'data/train/train-%%06d.tar'")
-    p.add_argument("--maxcount", type=int, default=1000, help="samples per shard (default 1000)")
+    p.add_argument("--maxcount", type=positive_int, default=1000, help="samples per shard (default 1000)")
     p.add_argument("--maxsize", type=byte_count, default=None, help="bytes per shard, e.g. 1GB (default: no limit)")
     p.add_argument("--strict", action="store_true", help="exit 1 if any sample is rejected")
-    p.add_argument("--sample-rate", type=int, default=16000, help="audio is stored mono at this rate (Hz)")
-    p.add_argument("--max-pixels", type=int, default=50_000_000, help="largest image (width x height)")
-    p.add_argument("--max-audio-seconds", type=float, default=60.0, help="longest clip")
+    p.add_argument("--sample-rate", type=positive_int, default=16000,
+                   help="audio is stored mono at this rate (Hz)")
+    p.add_argument("--max-pixels", type=positive_int, default=50_000_000, help="largest image (width x height)")
+    p.add_argument("--max-audio-seconds", type=positive_seconds, default=60.0, help="longest clip")
     p.add_argument("--max-file-bytes", type=byte_count, default=MAX_MEMBER_BYTES,
                    help=f"largest media file, as read and as stored (default {MAX_MEMBER_BYTES})")
-    p.add_argument("--workers", type=int, default=4, help="decoding threads (default 4)")
+    p.add_argument("--workers", type=thread_count, default=4, help="decoding threads (default 4)")
     p.set_defaults(fn=cmd_make)
 
     for name, fn, text in (("verify", cmd_verify, "read every sample back: hashes, decodability"),
@@ -169,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-member-bytes", type=byte_count, default=MAX_MEMBER_BYTES,
                        help="largest tar member accepted")
         if name == "verify":
-            p.add_argument("--sample-rate", type=int, default=16000, help="rate audio is decoded at")
-            p.add_argument("--max-pixels", type=int, default=50_000_000, help="largest image accepted")
-            p.add_argument("--max-audio-seconds", type=float, default=60.0,
+            p.add_argument("--sample-rate", type=positive_int, default=16000, help="rate audio is decoded at")
+            p.add_argument("--max-pixels", type=positive_int, default=50_000_000, help="largest image accepted")
+            p.add_argument("--max-audio-seconds", type=positive_seconds, default=60.0,
                            help="longest clip accepted, checked from its header before decoding")
         else:
             p.add_argument("--json", action="store_true", help="print the numbers as JSON")

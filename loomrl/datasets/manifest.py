@@ -19,8 +19,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Union
+
+from loomrl.datasets.files import check_regular, open_regular
 
 MARKERS = {"<image>": "image", "<audio>": "audio"}
 _MARKER = re.compile(r"<image>|<audio>")
@@ -61,21 +64,28 @@ class Manifest:
 
     @classmethod
     def from_source(cls, source: str) -> "Manifest":
-        """A .jsonl file, or a folder whose *.jsonl files are read in name order."""
-        if os.path.isdir(source):
-            files = sorted(os.path.join(source, f) for f in os.listdir(source) if f.endswith(".jsonl"))
-            if not files:
-                raise FileNotFoundError(f"{source}: folder has no .jsonl manifests")
-            return cls(files)
-        if not os.path.isfile(source):
-            raise FileNotFoundError(f"{source}: no such manifest file or folder")
-        return cls([source])
+        """A .jsonl file, or a folder whose *.jsonl files are read in name order. Each must be
+        a regular file: FileNotFoundError if there is none, NotRegularFile (an OSError naming
+        it) for a FIFO, a device or a folder, which would block or never end the job."""
+        try:
+            mode = os.stat(source).st_mode
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{source}: no such manifest file or folder") from None
+        if not stat.S_ISDIR(mode):
+            check_regular(source, mode)
+            return cls([source])
+        files = sorted(os.path.join(source, f) for f in os.listdir(source) if f.endswith(".jsonl"))
+        if not files:
+            raise FileNotFoundError(f"{source}: folder has no .jsonl manifests")
+        for f in files:
+            check_regular(f, os.stat(f).st_mode)
+        return cls(files)
 
     def count_lines(self) -> int:
         """Lines in all files (for a progress bar's total)."""
         n = 0
         for f in self.files:
-            with open(f, "rb") as fh:
+            with open_regular(f) as fh:
                 n += sum(1 for _ in fh)
         return n
 
@@ -84,7 +94,7 @@ class Manifest:
         An id claims its first line: a later line with the same id is rejected."""
         seen: dict[str, str] = {}
         for path in self.files:
-            with open(path, "rb") as fh:
+            with open_regular(path) as fh:  # not a FIFO swapped in since from_source
                 for n, raw in enumerate(fh, 1):
                     if not raw.strip():
                         continue

@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
 
+from loomrl.datasets.files import NotRegularFile, open_regular
 from loomrl.datasets.manifest import Entry, Manifest, Rejection
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, write_shards
 
@@ -121,19 +122,27 @@ def _sf_message(e: Exception) -> str:
 
 
 def read_file(path: str, limits: Limits) -> bytes:
+    """The bytes of a medium's file; raises Reject. Only a regular file is read: a FIFO
+    would block the job forever, a device could be endless (see `open_regular`)."""
     try:
-        size = os.stat(path).st_size
+        fh = open_regular(path)
     except FileNotFoundError:
         raise Reject("missing-file", "file does not exist") from None
-    except OSError as e:
-        raise Reject("unreadable-file", f"cannot stat ({e.strerror})") from None
-    if size > limits.max_file_bytes:
-        raise Reject("file-too-large", f"file of {size} bytes is over the limit of {limits.max_file_bytes}")
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(limits.max_file_bytes + 1)
+    except NotRegularFile as e:
+        raise Reject("unreadable-file", e.strerror) from None
     except OSError as e:  # a folder, no permission, I/O error
         raise Reject("unreadable-file", f"cannot read ({e.strerror or e})") from None
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > limits.max_file_bytes:
+            raise Reject("file-too-large", f"file of {size} bytes is over the limit of {limits.max_file_bytes}")
+        try:
+            data = fh.read(limits.max_file_bytes + 1)
+        except OSError as e:  # an I/O error
+            raise Reject("unreadable-file", f"cannot read ({e.strerror or e})") from None
+    if len(data) > limits.max_file_bytes:  # grew since the fstat
+        raise Reject("file-too-large", f"file is over the limit of {limits.max_file_bytes} bytes")
+    return data
 
 
 def prepare_entry(entry: Entry, limits: Limits) -> Union[dict, Rejection]:

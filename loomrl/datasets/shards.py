@@ -26,12 +26,16 @@ import tarfile
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterable, Iterator, Optional
 
+from loomrl.datasets.files import NotRegularFile, open_regular
 from loomrl.encoders.media import content_hash
 
 log = logging.getLogger(__name__)
 
 MAX_MEMBER_BYTES = 64 << 20
 """Default bound on one member (one image, clip or sample header)."""
+MAX_HEADER_BYTES = 1 << 20
+"""Bound on what one tar header may make tarfile read (pax records, GNU long names): a
+damaged size field there would otherwise ask for gigabytes, or for the whole rest."""
 
 KINDS = ("image", "audio")
 _SAFE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
@@ -276,6 +280,8 @@ def check_member(shard: str, ti: tarfile.TarInfo, max_member_bytes: int) -> None
         raise ShardError(shard, "is not a regular file (device, fifo or sparse); refused", member=name)
     if ti.size > max_member_bytes:
         raise ShardError(shard, f"is {ti.size} bytes, over the limit of {max_member_bytes}", member=name)
+    if ti.size < 0 or ti.offset_data < 0:  # a damaged size field; tarfile would seek backwards
+        raise ShardError(shard, f"has a negative size or offset ({ti.size}, {ti.offset_data})", member=name)
 
 
 def split_name(name: str) -> tuple[Optional[str], Optional[str]]:
@@ -285,28 +291,82 @@ def split_name(name: str) -> tuple[Optional[str], Optional[str]]:
     return (m.group(1), m.group(2)) if m else (None, None)
 
 
+class _HeaderReads:
+    """A shard file as tarfile sees it. tarfile reads only headers through it (member
+    data is read by offset, see `read_member`), so a read of more than MAX_HEADER_BYTES,
+    or of "everything" (a negative size), is a damaged header: a ReadError."""
+
+    def __init__(self, fh: BinaryIO):
+        self._fh = fh
+
+    def read(self, n: Optional[int] = -1) -> bytes:
+        if n is None or n < 0 or n > MAX_HEADER_BYTES:
+            raise tarfile.ReadError(f"a header asks to read {'all the rest' if n is None or n < 0 else n} bytes")
+        return self._fh.read(n)
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+
+def _end_fault(fh: BinaryIO, offset: int) -> Optional[str]:
+    """Why the archive does not end properly at `offset` (where tarfile found no further
+    header), or None: a tar ends with two 512-byte zero blocks. tarfile also stops
+    without a word at a damaged header, at a header cut short and at the end of the
+    file, so a shard cut at a member boundary, or one whose next header was
+    overwritten, would pass for a shorter whole one."""
+    fh.seek(offset)
+    tail = fh.read(2 * tarfile.BLOCKSIZE)
+    if tail == bytes(2 * tarfile.BLOCKSIZE):
+        return None
+    if not tail.strip(b"\0"):
+        return (f"ends at byte {offset + len(tail)} without the two zero blocks that end a tar archive "
+                f"(cut short?)")
+    return f"has a damaged tar header at byte {offset}"
+
+
+def open_shard(path: str) -> BinaryIO:
+    """A shard file opened for reading: ShardError if it does not exist or is not a regular
+    file (a FIFO would block the open forever, see `open_regular`); OSError on an I/O error."""
+    try:
+        return open_regular(path)
+    except FileNotFoundError:
+        raise ShardError(path, "does not exist") from None
+    except NotRegularFile as e:
+        raise ShardError(path, e.strerror) from None
+
+
 def scan_shard(path: str, max_member_bytes: int = MAX_MEMBER_BYTES) -> Iterator[SampleRef]:
     """The samples of a shard, from its tar headers alone (member data is skipped,
     not read). Every member is checked (see `check_member`) before use.
-    Raises ShardError naming the shard and member on the first fault."""
-    try:
-        tf = tarfile.open(path, "r:")  # plain tars only: seekable, no decompression bombs
-    except FileNotFoundError:
-        raise ShardError(path, "does not exist") from None
-    except tarfile.TarError as e:
-        raise ShardError(path, f"is not a readable uncompressed tar ({e})") from None
-    seen: set[str] = set()
-    ref: Optional[SampleRef] = None
-    with tf:
+    Raises ShardError naming the shard and member on the first fault: a hostile
+    member, a damaged header, a tar that does not end with its end-of-archive blocks
+    (cut short), a shard without any sample. Only a regular file is opened (see
+    `open_regular`); an I/O error is an OSError."""
+    with open_shard(path) as fh:
+        try:  # plain tars only: seekable, no decompression bombs
+            tf = tarfile.open(path, "r:", fileobj=_HeaderReads(fh))
+        except (OSError, MemoryError):
+            raise
+        except Exception as e:  # tarfile raises more than TarError on some hostile headers
+            raise ShardError(path, f"is not a readable uncompressed tar ({_tar_error(e)})") from None
+        seen: set[str] = set()
+        ref: Optional[SampleRef] = None
+        last = "the start"
         while True:
             try:
                 ti = tf.next()
-            except tarfile.TarError as e:
-                raise ShardError(path, f"is damaged after {ref.key if ref else 'the start'} ({e})") from None
+            except (OSError, MemoryError):
+                raise
+            except Exception as e:
+                raise ShardError(path, f"is damaged after {last} ({_tar_error(e)})") from None
             if ti is None:
+                fault = _end_fault(fh, tf.offset)
+                if fault:
+                    raise ShardError(path, f"{fault}, after {last}")
                 break
             tf.members.clear()  # tarfile keeps every header otherwise; we keep our own index
             check_member(path, ti, max_member_bytes)
+            last = f"member {ti.name}"
             if ti.isdir():
                 continue
             key, ext = split_name(ti.name)
@@ -323,8 +383,13 @@ def scan_shard(path: str, max_member_bytes: int = MAX_MEMBER_BYTES) -> Iterator[
             if ext in ref.members:
                 raise ShardError(path, "appears twice in the sample", key=key, member=ti.name)
             ref.members[ext] = (ti.offset_data, ti.size)
-    if ref is not None:
-        yield ref
+    if ref is None:
+        raise ShardError(path, "has no samples (an empty tar archive, or one of zeros)")
+    yield ref
+
+
+def _tar_error(e: Exception) -> str:
+    return str(e) if isinstance(e, tarfile.TarError) else f"{type(e).__name__}: {e}"
 
 
 def read_member(fh: BinaryIO, ref: SampleRef, ext: str) -> bytes:
@@ -344,6 +409,8 @@ def read_header(fh: BinaryIO, ref: SampleRef) -> dict:
         header = json.loads(read_member(fh, ref, "json"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ShardError(ref.shard, f"is not valid JSON ({e})", key=ref.key, member="json") from None
+    except RecursionError:  # "[[[[..." nested deeper than the parser's stack
+        raise ShardError(ref.shard, "is JSON nested too deeply to parse", key=ref.key, member="json") from None
     problem = _header_problem(header)
     if problem:
         raise ShardError(ref.shard, problem, key=ref.key, member="json")
@@ -382,10 +449,9 @@ def load_sample(fh: BinaryIO, ref: SampleRef, check_hashes: bool = True) -> dict
 def read_shards(files: list[str], max_member_bytes: int = MAX_MEMBER_BYTES) -> Iterator[dict]:
     """Samples as {id, prompt, answer, meta, media: [(kind, sha256, bytes)], source},
     in shard order. Raises ShardError (a ValueError) naming the shard and member on
-    a hostile member, a missing member or a hash mismatch."""
+    a hostile member, a missing member, a hash mismatch, a damaged or cut tar, a shard
+    without samples, or a path that is not a regular file."""
     for f in files:
-        if not os.path.isfile(f):
-            raise ShardError(f, "does not exist or is not a file")
-        with open(f, "rb") as fh:
+        with open_shard(f) as fh:
             for ref in scan_shard(f, max_member_bytes):
                 yield load_sample(fh, ref)

@@ -25,9 +25,12 @@ A sample that cannot be read (a member that fails its sha256, a truncated or
 unreadable member, a bad .json) does not end the stream: it comes as a record
 {error, source, position} in its place, so the consumer can skip, count and
 name it, and the position moves past it like past any sample (a resume does
-not meet it again). A shard whose tar headers are damaged part-way gives its
-samples up to the damage, then one such record for the rest of the shard;
-that record takes a place in the order like a sample (one rank, one worker).
+not meet it again). A shard whose tar headers are damaged part-way (or that
+is cut short: it lacks its end-of-archive blocks) gives its samples up to the
+damage, then one such record for the rest of the shard; a shard without
+samples, or a path that is not a regular file (a FIFO is never opened), is one
+such record. That record takes a place in the order like a sample (one rank,
+one worker).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from typing import BinaryIO, Iterator, Optional, Union
 
 import torch
 
-from loomrl.datasets.shards import MAX_MEMBER_BYTES, SampleRef, ShardError, load_sample, scan_shard
+from loomrl.datasets.shards import MAX_MEMBER_BYTES, SampleRef, ShardError, load_sample, open_shard, scan_shard
 
 
 def buffered_shuffle(items: Iterator, size: int, rng: random.Random) -> Iterator:
@@ -179,7 +182,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                             if fh is None:
                                 if len(handles) >= 8:  # refs cluster in recent shards; few handles suffice
                                     handles.pop(next(iter(handles))).close()
-                                fh = handles[ref.shard] = open(ref.shard, "rb")
+                                fh = handles[ref.shard] = open_shard(ref.shard)  # never a FIFO: it would block
                             record = load_sample(fh, ref)
                         except ShardError as e:  # the sample is lost, not the stream
                             record = _error_record(e)
