@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -70,15 +71,20 @@ def cmd_run(args) -> int:
         print("error: --resume needs --out DIR (the run folder to continue)", file=sys.stderr)
         return 2
     if not child:
-        existing = [p.name for p in out.iterdir() if p.name != ".lock"] if out.is_dir() else []
-        if existing and not resume:
-            print(f"error: {out} is not empty ({', '.join(sorted(existing)[:5])}); choose another --out, "
-                  f"or --resume the run in it", file=sys.stderr)
+        try:
+            existing = [p.name for p in out.iterdir() if p.name != ".lock"] if out.is_dir() else []
+            if existing and not resume:
+                print(f"error: {out} is not empty ({', '.join(sorted(existing)[:5])}); choose another --out, "
+                      f"or --resume the run in it", file=sys.stderr)
+                return 2
+            if existing and not (out / "recipe.yaml").is_file():
+                print(f"error: {out} holds no loomrl run (no recipe.yaml); nothing to resume", file=sys.stderr)
+                return 2
+            lock, holder = lock_run_folder(out)
+        except OSError as e:  # a read-only or unlistable folder, a file in the way, ...
+            print(f"error: cannot use {out} as the run folder: {e.strerror or e}"
+                  f"{f' ({e.filename})' if e.filename and str(e.filename) != str(out) else ''}", file=sys.stderr)
             return 2
-        if existing and not (out / "recipe.yaml").is_file():
-            print(f"error: {out} holds no loomrl run (no recipe.yaml); nothing to resume", file=sys.stderr)
-            return 2
-        lock, holder = lock_run_folder(out)
         if lock is None:
             print(f"error: {out} is in use by another loomrl run (pid {holder})", file=sys.stderr)
             return 2
@@ -87,9 +93,10 @@ def cmd_run(args) -> int:
         from loomrl.platform.checkpoint import latest_checkpoint
 
         saved = out / "recipe.yaml"
-        if saved.exists() and saved.read_text() != R.dump(recipe):
+        text = saved.read_text(errors="replace") if saved.exists() else None
+        if text is not None and text != R.dump(recipe):
             print(f"error: {saved} differs from this recipe and overrides; resume with the same recipe "
-                  f"(differences: {', '.join(recipe_diff(saved.read_text(), R.dump(recipe)))})", file=sys.stderr)
+                  f"(differences: {', '.join(recipe_diff(text, R.dump(recipe)))})", file=sys.stderr)
             return 2
         resume_from = Path(args.resume_from) if args.resume_from else latest_checkpoint(out / "checkpoints")
         if resume_from is None:
@@ -112,6 +119,7 @@ def cmd_run(args) -> int:
             return engines_launch.launch(recipe.training.nproc, ["run", *run_args, "--out", str(out)])
         engines_launch.init_distributed()
     from loomrl.platform.engines.base import world
+    from loomrl.platform.metrics import MetricsError
     from loomrl.platform.trainer import Interrupted, Trainer
 
     rank = world()[0]  # now: an in-process vLLM tears the default group down when it shuts down
@@ -120,6 +128,9 @@ def cmd_run(args) -> int:
     except R.RecipeError as e:
         print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
         return 2
+    except MetricsError as e:  # the run folder's metrics, not the checkpoint
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except ValueError as e:
         if resume_from is None:
             raise
@@ -127,8 +138,8 @@ def cmd_run(args) -> int:
               f"an earlier checkpoint can be named with --resume-from {out}/checkpoints/step-N", file=sys.stderr)
         return 2
     except Interrupted as e:
-        print(f"[run] {e}\nresume with: loomrl run {args.recipe} {' '.join(args.overrides)} --out {out} --resume",
-              file=sys.stderr)
+        command = shlex.join(["loomrl", "run", args.recipe, *args.overrides, "--out", str(out), "--resume"])
+        print(f"[run] {e}\nresume with: {command}", file=sys.stderr)
         return 130
     if recipe.training.engine != "torch":
         engines_launch.finish()
@@ -153,7 +164,10 @@ def recipe_diff(a: str, b: str) -> list[str]:
                 out[prefix + k] = v
         return out
 
-    fa, fb = flat(yaml.safe_load(a) or {}), flat(yaml.safe_load(b) or {})
+    try:
+        fa, fb = flat(yaml.safe_load(a) or {}), flat(yaml.safe_load(b) or {})
+    except (yaml.YAMLError, ValueError, AttributeError, RecursionError):  # a hand-edited recipe.yaml
+        return ["the saved file does not read as a recipe"]
     return sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k)) or ["formatting"]
 
 
@@ -162,7 +176,7 @@ def cmd_report(args) -> int:
 
     try:
         print(write_report(Path(args.run_dir)))
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # not a run folder, a malformed metrics row, a read-only folder
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -182,7 +196,9 @@ def cmd_recipe(args) -> int:
         print(table, end="")
         return 0
     header = ("Generated by `loomrl recipe --out docs/recipe.md` from the dataclasses in "
-              "`loomrl/platform/recipe.py`; do not edit by hand.\n\n")
+              "`loomrl/platform/recipe.py`; do not edit by hand. A number must lie in the range beside its "
+              "type (checked when the recipe is loaded); NaN and infinities are always refused, and an "
+              "integer must fit in 64 bits.\n\n")
     Path(out).write_text(header + table)
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -1,21 +1,37 @@
 """Checkpoints, written atomically: a temporary folder is filled (weights as
 safetensors, optimizer state as a tensors-only torch file, JSON state), every
 file fsynced, a manifest of sha256 sums written last, then the folder is
-renamed into place. Loading checks the manifest and never unpickles objects
-(torch.load(weights_only=True))."""
+renamed into place as `step-NNNNNN`. Loading checks the manifest and never
+unpickles objects (torch.load(weights_only=True)); whatever is wrong with a
+checkpoint (a file missing, damaged, or vouched for by a rewritten manifest but
+unreadable) is a ValueError naming the file."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import pickle
+import re
 import shutil
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load_model, save_model
 
 MANIFEST = "manifest.json"
 REQUIRED = ("model.safetensors", "optimizer.pt", "state.json")
+STEP_NAME = re.compile(r"step-(\d{6,})")
+"""A checkpoint folder's name (`step-000006`); anything else beside them (`step-000006.bak`, a
+`.step-000007.tmp` being written) is not a checkpoint: never picked, never pruned."""
+
+
+def checkpoint_folders(root: Path) -> list[Path]:
+    """The `step-NNNNNN` folders under root, oldest (lowest step) first."""
+    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
+             if (m := STEP_NAME.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
 
 
 def _sha256(path: Path) -> str:
@@ -60,38 +76,128 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, engine_state:
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync(root)
-    for old in sorted(root.glob("step-*"))[:-keep_last]:
+    for old in checkpoint_folders(root)[:-keep_last]:
         shutil.rmtree(old)
     return final
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint folder (interrupted writes are .tmp and never picked)."""
-    done = sorted(root.glob("step-*")) if root.is_dir() else []
+    """The newest checkpoint folder, by step (interrupted writes are .tmp, other names such as a
+    `step-000006.bak` copy are not checkpoints: neither is picked)."""
+    done = checkpoint_folders(root)
     return done[-1] if done else None
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_extra_model(path: Path, name: str, model: torch.nn.Module) -> None:
     """Load name.safetensors of a checkpoint that load_checkpoint has verified."""
-    load_model(model, str(path / f"{name}.safetensors"))
+    _load_weights(path / f"{name}.safetensors", model)
+
+
+def _load_weights(file: Path, model: torch.nn.Module) -> None:
+    try:
+        load_model(model, str(file))
+    except RuntimeError as e:  # names or shapes of another model
+        raise ValueError(f"{file}: does not fit this model: {_cut(str(e))}") from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors: a truncated or damaged file
+        raise ValueError(f"{file}: not a readable safetensors file (truncated or damaged): "
+                         f"{type(e).__name__}: {_cut(str(e))}") from None
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON: {_cut(str(e))}") from None
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
-    """Load weights into `model`; return (engine_state, state). Raises ValueError naming
-    the file on a missing manifest, a checksum mismatch or a shape mismatch."""
+    """Load weights into `model`; return (engine_state, state), both dicts. Raises ValueError
+    naming the file on a missing or malformed manifest, a checksum mismatch, a file that does
+    not read (even one a rewritten manifest vouches for), a shape mismatch, or an optimizer
+    file holding anything but tensors and plain containers (never unpickled)."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise ValueError(f"{path}: no {MANIFEST}; the checkpoint is incomplete")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = _read_json(manifest_path)
+    if not isinstance(manifest, dict) or not all(isinstance(v, str) for v in manifest.values()):
+        raise ValueError(f"{manifest_path}: not a JSON object of file names and sha256 sums")
+    for name in manifest:
+        if name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise ValueError(f"{manifest_path}: {name[:100]!r} is not a file name of the checkpoint")
     for name in REQUIRED:
         if name not in manifest:
             raise ValueError(f"{manifest_path}: does not list {name}; the checkpoint is incomplete")
     for name, digest in manifest.items():
-        if not (path / name).is_file() or _sha256(path / name) != digest:
+        try:
+            ok = (path / name).is_file() and _sha256(path / name) == digest
+        except OSError:
+            ok = False
+        if not ok:
             raise ValueError(f"{path / name}: missing or corrupt (sha256 differs from the manifest)")
+    _load_weights(path / "model.safetensors", model)
+    optimizer = path / "optimizer.pt"
     try:
-        load_model(model, str(path / "model.safetensors"))
-    except RuntimeError as e:
-        raise ValueError(f"{path / 'model.safetensors'}: does not fit this model: {e}") from None
-    engine_state = torch.load(path / "optimizer.pt", weights_only=True)
-    return engine_state, json.loads((path / "state.json").read_text())
+        engine_state = torch.load(optimizer, weights_only=True)
+    except pickle.UnpicklingError:  # torch's text suggests weights_only=False: never, for a checkpoint
+        raise ValueError(f"{optimizer}: holds pickled objects other than tensors and plain containers; "
+                         f"refused (a checkpoint is never unpickled)") from None
+    except Exception as e:  # noqa: BLE001 - a truncated or damaged zip, not a torch file at all
+        raise ValueError(f"{optimizer}: not a readable torch file: {type(e).__name__}: {_cut(str(e))}") from None
+    if not isinstance(engine_state, dict):
+        raise ValueError(f"{optimizer}: not a mapping of states (got {type(engine_state).__name__})")
+    state = _read_json(path / "state.json")
+    if not isinstance(state, dict):
+        raise ValueError(f"{path / 'state.json'}: not a JSON object (got {type(state).__name__})")
+    for key in ("step", "version", "warmup_step"):  # counters, wherever a checkpoint has them
+        _check_count(state, key, path / "state.json")
+    return engine_state, state
+
+
+def _check_count(state: dict, key: str, file: Path) -> None:
+    v = state.get(key, 0)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{file}: {key!r} must be an integer >= 0, got {_cut(repr(v), 100)}")
+
+
+def check_run_state(state: dict, engine_state: dict, path: Path, critic: bool = False) -> None:
+    """The keys and kinds a trainer's checkpoint holds (see Trainer.save): a ValueError naming
+    state.json or optimizer.pt for anything missing or of another kind."""
+    def fail(file: str, what: str) -> None:
+        raise ValueError(f"{path / file}: {what}")
+
+    for key in ("step", "version", "data", "trajectories", "recipe"):
+        if key not in state:
+            fail("state.json", f"no {key!r}; not a checkpoint of a loomrl run (or damaged)")
+    for key in ("step", "version"):
+        _check_count(state, key, path / "state.json")
+    for key in ("data", "trajectories", "recipe"):
+        if not isinstance(state[key], dict):
+            fail("state.json", f"{key!r} must be a JSON object, got {type(state[key]).__name__}")
+    books = state["trajectories"]
+    for key in ("generated", "trained", "dropped", "dropped_by_reason"):
+        if key not in books:
+            fail("state.json", f"'trajectories' has no {key!r}")
+    for key in ("generated", "trained", "dropped"):
+        _check_count(books, key, path / "state.json")
+    if not isinstance(books["dropped_by_reason"], dict):
+        fail("state.json", "'trajectories.dropped_by_reason' must be a JSON object")
+    for key in ("engine", "torch_rng", "source") + (("critic",) if critic else ()):
+        if key not in engine_state:
+            fail("optimizer.pt", f"no {key!r}; not a checkpoint of a loomrl run (or damaged)")
+    rng = engine_state["torch_rng"]
+    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
+        fail("optimizer.pt", "'torch_rng' is not a torch random-generator state (a uint8 tensor)")
+
+
+@contextlib.contextmanager
+def blame(file: Path) -> Iterator[None]:
+    """Restoring state read from `file`: an error that the state's content causes (a key it lacks,
+    a value of another kind or size) becomes a ValueError naming the file."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        raise ValueError(f"{file}: does not fit this run: {type(e).__name__}: {_cut(str(e))}") from None

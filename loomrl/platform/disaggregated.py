@@ -40,6 +40,7 @@ import argparse
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import time
@@ -482,6 +483,9 @@ def trainer_role(recipe: R.Recipe, out: Path, args, grank: int, pg, names: dict[
         inner = WorkerSource(trainer, Channel(pg=pg), sorted(names), names)
         return LeaderSource(inner) if recipe.training.nproc > 1 else inner
 
+    # Outside the RL loop (whose own handler checkpoints first) a SIGTERM from torchrun, sent when a
+    # worker dies, must not kill the trainer before it has settled its books and written its exit code.
+    signal.signal(signal.SIGTERM, lambda signum, frame: log.warning("[trainer] signal %d: settling the run", signum))
     resume_from = Path(args.resume_from) if args.resume_from else None
     trainer = Trainer(recipe, out, resume_from, args.max_steps, source)
     try:

@@ -235,7 +235,7 @@ def main(argv: list[str]) -> int:
     try:
         recipe = R.load_recipe(args.recipe, args.overrides)
         report = run_doctor(recipe, args.engine, args.prompts, args.checkpoint, args.hf)
-    except (R.RecipeError, ValueError, FileNotFoundError, KeyError) as e:
+    except (R.RecipeError, ValueError, OSError, KeyError) as e:  # a damaged checkpoint: ValueError naming the file
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(table(report), flush=True)

@@ -3,6 +3,7 @@ and TensorBoard event files."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 
@@ -31,13 +32,35 @@ class MetricsLog:
             self.tb.close()
 
 
+class MetricsError(ValueError):
+    """A metrics file that cannot be read as rows of steps: the message names the file and line."""
+
+
 def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics file: JSON objects with an integer `step`. A last line without its
+    newline that does not parse is what a run killed while writing it leaves: it is dropped with
+    a warning (the `loomrl` logger). Anything else unreadable is a MetricsError naming path:line."""
     rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
+    try:
+        with open(path, "rb") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: not a JSON line: {e}") from None
+                    row = json.loads(line)
+                except ValueError as e:  # not JSON, not UTF-8
+                    if not line.endswith(b"\n"):  # the last line, cut by a kill in the middle of a write
+                        logging.getLogger("loomrl").warning(
+                            "warning: %s:%d: an incomplete last line (the run stopped while writing it); "
+                            "dropped", path, i)
+                        break
+                    raise MetricsError(f"{path}:{i}: not a JSON line: {e}") from None
+                if not isinstance(row, dict):
+                    raise MetricsError(f"{path}:{i}: not a JSON object (got {type(row).__name__})")
+                step = row.get("step")
+                if isinstance(step, bool) or not isinstance(step, int):
+                    raise MetricsError(f"{path}:{i}: no integer 'step' (got {str(step)[:40]!r})")
+                rows.append(row)
+    except OSError as e:
+        raise MetricsError(f"{path}: cannot read: {e.strerror or e}") from None
     return rows

@@ -2,15 +2,17 @@
 
 A recipe is a YAML file mapped onto the typed dataclasses below, plus
 `key.path=value` overrides from the command line. Every field is documented
-where it is declared. Anything wrong (unknown key, wrong type, value outside
-the allowed set, missing file) raises `RecipeError` naming the key path, before
-any work starts.
+where it is declared, every numeric field with its range (`ranged`). Anything
+wrong (unknown key, wrong type, a number outside its range, NaN or infinite,
+a value outside the allowed set, sizes that do not fit together, missing file)
+raises `RecipeError` naming the key path, before any work starts.
 """
 from __future__ import annotations
 
 import dataclasses
 import glob
 import importlib
+import math
 import reprlib
 import types
 import typing
@@ -25,6 +27,53 @@ class RecipeError(ValueError):
     """A recipe that cannot run: the message names the key path or file."""
 
 
+# --------------------------------------------------------------------------- ranges
+
+
+SEED_MAX = 2**31 - 1
+"""Seeds are 31-bit: torch, numpy and vLLM all take them (a rank's offset included)."""
+INT_MAX = 2**63 - 1
+"""Every integer field fits in 64 bits (torch and the C libraries take them)."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field accepts. Beyond it, NaN and infinities are never accepted,
+    and an integer must fit in 64 bits."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def contains(self, v: float) -> bool:
+        if self.low is not None and (v <= self.low if self.low_open else v < self.low):
+            return False
+        return self.high is None or (v < self.high if self.high_open else v <= self.high)
+
+    def __str__(self) -> str:
+        lo, hi = _num(self.low), _num(self.high)
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{lo}, {hi}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {lo}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {hi}"
+        return ""
+
+
+def _num(x: Optional[float]) -> str:
+    return str(int(x)) if isinstance(x, int) or (x is not None and float(x).is_integer()) else repr(x)
+
+
+def ranged(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None,
+           le: Optional[float] = None, lt: Optional[float] = None) -> Any:
+    """A numeric field: its default and its range (ge/gt: >= / > low, le/lt: <= / < high; none:
+    any finite number). Checked when a recipe is loaded, shown by `loomrl recipe`."""
+    rng = Range(gt if gt is not None else ge, lt if lt is not None else le, gt is not None, lt is not None)
+    return field(default=default, metadata={"range": rng})
+
+
 # --------------------------------------------------------------------------- model
 
 
@@ -32,21 +81,21 @@ class RecipeError(ValueError):
 class VisionConfig:
     """Qwen2-VL vision tower (transformers' Qwen2VisionTransformerPretrainedModel)."""
 
-    depth: int = 2
+    depth: int = ranged(2, ge=1)
     """Transformer blocks in the vision tower."""
-    embed_dim: int = 64
+    embed_dim: int = ranged(64, ge=1)
     """Width of the vision transformer."""
-    num_heads: int = 4
+    num_heads: int = ranged(4, ge=1)
     """Attention heads in the vision tower."""
-    patch_size: int = 14
+    patch_size: int = ranged(14, ge=1)
     """Spatial patch size in pixels (Qwen2-VL: 14)."""
-    temporal_patch_size: int = 2
+    temporal_patch_size: int = ranged(2, ge=1)
     """Frames per patch; a still image is repeated to fill it (Qwen2-VL: 2)."""
-    spatial_merge_size: int = 2
+    spatial_merge_size: int = ranged(2, ge=1)
     """Patches merged per side into one language token by the merger (Qwen2-VL: 2)."""
-    min_pixels: int = 56 * 56
+    min_pixels: int = ranged(56 * 56, ge=1)
     """Lower bound on resized image area (Qwen2-VL's smart_resize)."""
-    max_pixels: int = 56 * 56
+    max_pixels: int = ranged(56 * 56, ge=1)
     """Upper bound on resized image area; the demo keeps images at 56x56 = 4 tokens."""
 
 
@@ -54,19 +103,19 @@ class VisionConfig:
 class AudioConfig:
     """Qwen2-Audio (Whisper-style) audio tower and its log-mel front end."""
 
-    layers: int = 2
+    layers: int = ranged(2, ge=1)
     """Transformer layers in the audio encoder."""
-    d_model: int = 64
+    d_model: int = ranged(64, ge=1)
     """Width of the audio encoder."""
-    num_heads: int = 4
+    num_heads: int = ranged(4, ge=1)
     """Attention heads in the audio encoder."""
-    ffn_dim: int = 128
+    ffn_dim: int = ranged(128, ge=1)
     """Feed-forward width in the audio encoder."""
-    num_mel_bins: int = 80
+    num_mel_bins: int = ranged(80, ge=1)
     """Mel bins of the log-mel spectrogram (Whisper: 80, Qwen2-Audio: 128)."""
-    sample_rate: int = 16000
+    sample_rate: int = ranged(16000, ge=1000)
     """Audio is resampled to this rate, mono."""
-    clip_seconds: float = 1.0
+    clip_seconds: float = ranged(1.0, gt=0)
     """Clips are padded or cut to this length; it fixes the encoder's positions
     (100 mel frames per second, 4 frames per output token)."""
 
@@ -78,7 +127,7 @@ class EncoderConfig:
     frozen: bool = False
     """Freeze both towers (no gradients); their encodings are then cached across
     steps in a bounded LRU keyed by content hash + encoder identity."""
-    cache_size: int = 4096
+    cache_size: int = ranged(4096, ge=0)
     """Encodings kept by the cross-step LRU when `frozen` (0 = no cross-step cache)."""
     dedup: bool = True
     """Encode each distinct medium once per mini-batch and route its gradient from
@@ -108,19 +157,19 @@ class ModelConfig:
     tokenizer: str = "demo"
     """`demo` builds the demo task's word-level tokenizer; otherwise a local
     Hugging Face tokenizer folder (nothing is downloaded)."""
-    hidden_size: int = 64
+    hidden_size: int = ranged(64, ge=1)
     """Width of the language backbone."""
-    num_layers: int = 2
+    num_layers: int = ranged(2, ge=1)
     """Decoder layers of the language backbone."""
-    num_heads: int = 4
+    num_heads: int = ranged(4, ge=1)
     """Query heads of the backbone attention."""
-    num_kv_heads: int = 2
+    num_kv_heads: int = ranged(2, ge=1)
     """Key/value heads (grouped-query attention)."""
-    intermediate_size: int = 128
+    intermediate_size: int = ranged(128, ge=1)
     """SwiGLU MLP width."""
-    rope_theta: float = 10000.0
+    rope_theta: float = ranged(10000.0, gt=0)
     """RoPE base frequency."""
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = ranged(1e-6, gt=0)
     """Epsilon of the RMSNorms."""
     tie_word_embeddings: bool = True
     """Share the input embedding with the LM head (as small Qwen2 models do)."""
@@ -128,7 +177,7 @@ class ModelConfig:
     """A local HF checkpoint folder (Qwen2, Qwen2-VL, Qwen2.5-VL or Qwen2-Audio; safetensors) the
     policy starts from: its language model, and its vision or audio tower when it has one. The
     sizes above must match its config.json. null: random initialisation (the demo)."""
-    init_std: float = 0.02
+    init_std: float = ranged(0.02, ge=0)
     """Std of the random initialisation (models are built from config)."""
     vision: VisionConfig = field(default_factory=VisionConfig)
     """The vision tower."""
@@ -147,11 +196,11 @@ class ModelConfig:
 class DemoDataConfig:
     """Procedural demo shards, written when `data.shards` matches nothing."""
 
-    samples: int = 768
+    samples: int = ranged(768, ge=1)
     """Samples to generate."""
-    samples_per_shard: int = 256
+    samples_per_shard: int = ranged(256, ge=1)
     """Samples per tar shard."""
-    seed: int = 1234
+    seed: int = ranged(1234, ge=0, le=SEED_MAX)
     """Seed of the procedural generator (same seed, same bytes)."""
 
 
@@ -165,9 +214,9 @@ class DataConfig:
     demo: Optional[DemoDataConfig] = None
     """If set and `shards` matches nothing, generate the demo shards there.
     If null, missing shards are an error."""
-    seed: int = 0
+    seed: int = ranged(0, ge=0, le=SEED_MAX)
     """Seed of the epoch shuffle of prompts."""
-    shuffle_buffer: int = 1000
+    shuffle_buffer: int = ranged(1000, ge=0)
     """Samples held by the streaming reader's shuffle buffer (0 = shard order)."""
 
 
@@ -181,21 +230,21 @@ class DrafterConfig:
     enabled: bool = True
     """Draft tokens from earlier completions of the same prompt; the target verifies
     them exactly: the committed tokens are distributed as without drafting."""
-    k: int = 8
+    k: int = ranged(8, ge=1)
     """Most tokens drafted per target forward."""
-    max_history: int = 16
+    max_history: int = ranged(16, ge=1)
     """Finished completions kept per prompt (oldest evicted first)."""
-    max_history_tokens: int = 8192
+    max_history_tokens: int = ranged(8192, ge=1)
     """Token cap of one prompt's history."""
-    max_prompts: int = 4096
+    max_prompts: int = ranged(4096, ge=1)
     """Prompts whose histories are kept (least recently used evicted)."""
-    global_history: int = 256
+    global_history: int = ranged(256, ge=0)
     """Recent completions of any prompt kept as a weaker, cross-prompt draft source
     (0 = per-prompt histories only)."""
-    prefetch_budget: int = 16
+    prefetch_budget: int = ranged(16, ge=0)
     """Candidate (accepted length, bonus token) outcomes the prefetcher prepares per
     sequence while the target verifies (0 = no prefetch, plain lookups)."""
-    compare_every: int = 0
+    compare_every: int = ranged(0, ge=0)
     """Every N RL steps also generate the same batch without drafting (same weights,
     timing only, discarded) and log the speed-up measured side by side (0 = never)."""
 
@@ -204,7 +253,7 @@ class DrafterConfig:
 class VLLMConfig:
     """The vLLM rollout engine (`rollout.engine: vllm`)."""
 
-    kv_cache_gib: int = 1
+    kv_cache_gib: int = ranged(1, ge=1)
     """KV-cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE, unless the environment sets it)."""
     enforce_eager: bool = True
     """Run eagerly (no graph capture/compilation): starts in seconds."""
@@ -213,9 +262,9 @@ class VLLMConfig:
     multiprocessing: bool = False
     """Run vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING); off
     runs it in this process, so nothing can be orphaned."""
-    max_model_len: int = 512
+    max_model_len: int = ranged(512, ge=1)
     """Longest prompt + completion vLLM accepts."""
-    health_every: int = 0
+    health_every: int = ranged(0, ge=0)
     """Every N RL steps, after the weight sync, sample two of that step's prompts again with
     vLLM and compare its log-probs with the trainer's forward under the new weights; log the
     mean |difference| (`vllm_sync_logp_diff`; 0 = never)."""
@@ -230,13 +279,13 @@ class RolloutConfig:
     the trainer, shares its weights). `vllm`: vLLM serves the language model
     (media encoded by the trainer's towers, passed as prompt embeddings); weights
     are synced in place after every optimizer step."""
-    n: int = 8
+    n: int = ranged(8, ge=1)
     """Samples per prompt (the GRPO group size)."""
-    temperature: float = 1.0
+    temperature: float = ranged(1.0, gt=0)
     """Sampling temperature; log-probs are reported for logits / temperature."""
-    top_p: float = 1.0
+    top_p: float = ranged(1.0, gt=0, le=1)
     """Nucleus sampling mass (1.0 = off)."""
-    max_new_tokens: int = 20
+    max_new_tokens: int = ranged(20, ge=1)
     """Completion length cap."""
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     """NgramRL speculative decoding."""
@@ -256,15 +305,15 @@ class RewardSourceConfig:
     model: Optional[str] = None
     """A local folder of a transformers sequence-classification model (safetensors
     weights + tokenizer; nothing is downloaded), run on the trainer's device."""
-    weight: float = 1.0
+    weight: float = ranged(1.0)
     """Weight of this source in the summed reward."""
     name: Optional[str] = None
     """Name in the metrics (`reward_<name>_mean`); default: the function or folder name."""
-    batch_size: int = 32
+    batch_size: int = ranged(32, ge=1)
     """Completions per reward-model forward."""
-    max_length: int = 512
+    max_length: int = ranged(512, ge=1)
     """Reward-model input tokens (prompt + completion, truncated)."""
-    label: int = 0
+    label: int = ranged(0, ge=0)
     """Which logit of the reward model's head is the reward."""
     with_prompt: bool = True
     """Score the (prompt text, completion) pair; false: the completion alone."""
@@ -285,11 +334,11 @@ class ImportanceConfig:
     """`none`: weight 1 (the ratio is still reported); `truncate`: weight min(ratio, cap)
     (TIS, Yao et al. 2025); `mask`: weight ratio inside [low, high], tokens outside dropped
     (masked IS, as IcePop, Ling Team 2025)."""
-    cap: float = 2.0
+    cap: float = ranged(2.0, ge=1)
     """Truncation cap of the ratio (`truncate`)."""
-    low: float = 0.5
+    low: float = ranged(0.5, ge=0, le=1)
     """Lower edge of the kept band (`mask`)."""
-    high: float = 2.0
+    high: float = ranged(2.0, ge=1)
     """Upper edge of the kept band (`mask`)."""
 
 
@@ -301,15 +350,15 @@ class PPOConfig:
     """`value_head`: a scalar head on the policy's final hidden states, trained with the
     policy's optimizer; `separate`: a second model built like the policy (starting from
     its weights) with a scalar head and its own optimizer."""
-    critic_lr: Optional[float] = None
+    critic_lr: Optional[float] = ranged(None, gt=0)
     """Learning rate of the separate critic (null: training.lr)."""
-    gamma: float = 1.0
+    gamma: float = ranged(1.0, ge=0, le=1)
     """Discount of GAE (Schulman et al. 2016)."""
-    lam: float = 0.95
+    lam: float = ranged(0.95, ge=0, le=1)
     """GAE lambda: 1 = Monte Carlo returns, 0 = one-step TD."""
-    value_clip: float = 0.2
+    value_clip: float = ranged(0.2, ge=0)
     """Clip range of the value update around the old values (0 = off)."""
-    value_coef: float = 0.5
+    value_coef: float = ranged(0.5, ge=0)
     """Weight of the value loss added to the policy loss (`value_head` only)."""
     whiten_advantages: bool = True
     """Normalise the step's token advantages to mean 0, std 1."""
@@ -328,18 +377,18 @@ class AlgorithmConfig:
     rewards: list[RewardSourceConfig] = field(default_factory=list)
     """Weighted reward sources (callables and reward models); when given, the reward
     is their weighted sum and `reward` is not used."""
-    clip_eps: float = 0.2
+    clip_eps: float = ranged(0.2, gt=0)
     """PPO clip range of the probability ratio."""
-    clip_eps_low: Optional[float] = None
+    clip_eps_low: Optional[float] = ranged(None, gt=0, lt=1)
     """Lower clip range, ratio >= 1 - clip_eps_low (null: clip_eps)."""
-    clip_eps_high: Optional[float] = None
+    clip_eps_high: Optional[float] = ranged(None, gt=0)
     """Upper clip range, ratio <= 1 + clip_eps_high (null: clip_eps); larger than the
     lower one is DAPO's "clip-higher" (Yu et al. 2025)."""
     loss_norm: Literal["token", "sequence", "constant"] = "token"
     """How token losses are averaged: `token` over all tokens of the mini-batch (DAPO),
     `sequence` per sequence then over sequences (GRPO as published), `constant` sum /
     (sequences x max_new_tokens), no length bias (Dr. GRPO, Liu et al. 2025)."""
-    kl_coef: float = 0.0
+    kl_coef: float = ranged(0.0, ge=0)
     """Weight of the KL penalty to the reference policy (the policy at the start of
     RL); 0 disables it and the reference model."""
     kl_placement: Literal["loss", "reward"] = "loss"
@@ -349,7 +398,7 @@ class AlgorithmConfig:
     scale_rewards: bool = True
     """Divide group advantages by the group's reward std (GRPO); false keeps
     only the mean subtraction (Dr. GRPO)."""
-    epochs: int = 1
+    epochs: int = ranged(1, ge=1)
     """Passes over each step's rollouts (PPO epochs)."""
     importance: ImportanceConfig = field(default_factory=ImportanceConfig)
     """Rollout/trainer importance correction; its ratio is reported every step."""
@@ -364,11 +413,11 @@ class AlgorithmConfig:
 class WarmupConfig:
     """Optional supervised warm-up before RL."""
 
-    steps: int = 0
+    steps: int = ranged(0, ge=0)
     """SFT optimizer steps before RL (0 = none)."""
-    batch_size: int = 32
+    batch_size: int = ranged(32, ge=1)
     """Samples per warm-up step."""
-    lr: float = 3e-3
+    lr: float = ranged(3e-3, gt=0)
     """Learning rate of the warm-up."""
     target: Literal["answer", "format"] = "format"
     """`answer`: imitate the reference answers. `format`: imitate answers whose
@@ -381,14 +430,14 @@ class WarmupConfig:
 class DeepSpeedConfig:
     """DeepSpeed ZeRO (used when `training.engine` is `deepspeed`)."""
 
-    zero_stage: int = 2
+    zero_stage: int = ranged(2, ge=0, le=3)
     """ZeRO stage: 0 plain data parallel, 1 partitions optimizer states, 2 also gradients,
     3 also parameters."""
     bf16: bool = False
     """Train in BF16 with FP32 master weights (needs zero_stage >= 1); false: FP32."""
     offload_optimizer: bool = False
     """Keep optimizer states and the update on the CPU (ZeRO stage >= 1; torch AdamW)."""
-    reduce_bucket_size: int = 50_000_000
+    reduce_bucket_size: int = ranged(50_000_000, ge=1)
     """Elements per gradient-reduction bucket."""
 
 
@@ -396,7 +445,7 @@ class DeepSpeedConfig:
 class MegatronConfig:
     """Megatron-core (used when `training.engine` is `megatron`)."""
 
-    tensor_parallel: int = 1
+    tensor_parallel: int = ranged(1, ge=1)
     """Tensor-parallel ranks of the language model; must divide training.nproc (the rest are
     data-parallel replicas), num_heads, num_kv_heads and intermediate_size."""
 
@@ -409,32 +458,32 @@ class TrainingConfig:
     """Training engine. `torch`: single process, the embedded default. `deepspeed`: ZeRO
     (see `deepspeed`). `megatron`: megatron-core tensor + data parallel language model
     (see `megatron`). Rollouts run on a full HF-layout copy synced after every step."""
-    steps: int = 100
+    steps: int = ranged(100, ge=0)
     """RL steps (one rollout batch and one or more optimizer steps each)."""
-    prompts_per_step: int = 8
+    prompts_per_step: int = ranged(8, ge=1)
     """Prompts per RL step; each is sampled `rollout.n` times."""
-    mini_batches: int = 1
+    mini_batches: int = ranged(1, ge=1)
     """Optimizer steps per RL step per epoch (the batch is split into this many)."""
-    micro_batch_size: int = 32
+    micro_batch_size: int = ranged(32, ge=1)
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
-    lr: float = 1e-3
+    lr: float = ranged(1e-3, gt=0)
     """AdamW learning rate."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = ranged(0, ge=0)
     """Ramp the RL learning rate linearly from lr / N to lr over the first N RL steps (0 = off):
     Adam's first updates move every weight by about lr whatever the gradient's size."""
-    weight_decay: float = 0.0
+    weight_decay: float = ranged(0.0, ge=0)
     """AdamW weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: float = ranged(1.0, ge=0)
     """Global gradient-norm clip (0 = off)."""
-    seed: int = 0
+    seed: int = ranged(0, ge=0, le=SEED_MAX)
     """Seed of model init and sampling."""
     deterministic: bool = True
     """Deterministic torch algorithms (bit-identical CPU runs for a seed)."""
-    threads: int = 0
+    threads: int = ranged(0, ge=0)
     """torch intra-op threads (0 = torch's default)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm-up stage."""
-    nproc: int = 1
+    nproc: int = ranged(1, ge=1)
     """Training processes. Above 1, `loomrl run` launches itself under torchrun with this many
     ranks (gloo on CPU, NCCL on GPU); every rank runs the loop, rank 0 writes the run folder."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
@@ -456,23 +505,23 @@ class PipelineConfig:
     groups), then train its `training.mini_batches` mini-batches. `mini_batch`: admit each
     mini-batch as soon as its quotas can be met (whole groups, prompts per mini-batch,
     token budget, staleness) and train it at once."""
-    max_staleness: int = -1
+    max_staleness: int = ranged(-1, ge=-1)
     """Most optimizer steps a trajectory may lag the trainer when it is trained; staler
     groups are dropped (counted, reason `stale`). -1 = no limit."""
-    tokens_per_mini_batch: int = 0
+    tokens_per_mini_batch: int = ranged(0, ge=0)
     """Token budget (prompt + completion) of one mini-batch; admission never exceeds it,
     a group that alone exceeds it is dropped (reason `over_token_budget`). 0 = no budget."""
-    tokens_per_micro_batch: int = 0
+    tokens_per_micro_batch: int = ranged(0, ge=0)
     """Padded-token budget of one micro-batch in the layout (rows x longest row); 0 = only
     `training.micro_batch_size` rows per micro-batch."""
-    rollout_workers: int = 2
+    rollout_workers: int = ranged(2, ge=1)
     """Rollout processes in disaggregated mode (beside the `training.nproc` trainer processes)."""
-    prompts_per_request: int = 1
+    prompts_per_request: int = ranged(1, ge=1)
     """Prompts a rollout worker generates per request (disaggregated mode)."""
     on_worker_death: Literal["continue", "stop"] = "stop"
     """When a rollout worker dies: `continue` with the others (its in-flight prompts are
     re-queued) or `stop` with a checkpoint and a clear error."""
-    worker_timeout_s: float = 300.0
+    worker_timeout_s: float = ranged(300.0, gt=0)
     """A rollout worker silent this long with work in flight is declared dead."""
 
 
@@ -484,7 +533,7 @@ class LoggingConfig:
     """Write TensorBoard event files into the run directory."""
     progress: bool = True
     """Show a progress bar with the live reward."""
-    mismatch_every: int = 0
+    mismatch_every: int = ranged(0, ge=0)
     """Every N RL steps, recompute the step's log-probs with a BF16 copy of the policy under each
     rounding setting (as `loomrl doctor` does) and log the mismatch to the rollout log-probs as
     `mismatch_<setting>_{mean,max,kl}` (0 = off)."""
@@ -494,9 +543,9 @@ class LoggingConfig:
 class CheckpointConfig:
     """Checkpoints: safetensors weights + optimizer state, written atomically."""
 
-    every: int = 0
+    every: int = ranged(0, ge=0)
     """Write a checkpoint every N RL steps (0 = only at the end)."""
-    keep_last: int = 2
+    keep_last: int = ranged(2, ge=1)
     """Keep the newest K checkpoints."""
 
 
@@ -504,13 +553,13 @@ class CheckpointConfig:
 class GoalConfig:
     """A pass/fail check of the reward curve, printed in the run summary."""
 
-    first_steps: int = 5
+    first_steps: int = ranged(5, ge=1)
     """Baseline: mean reward over the first N RL steps."""
-    last_steps: int = 10
+    last_steps: int = ranged(10, ge=1)
     """Result: mean reward over the last N RL steps."""
-    min_final: float = 0.8
+    min_final: float = ranged(0.8)
     """The result must reach this."""
-    min_gain: float = 0.3
+    min_gain: float = ranged(0.3)
     """The result must exceed the baseline by this."""
 
 
@@ -536,15 +585,16 @@ class Recipe:
 # --------------------------------------------------------------------------- loading
 
 
-def _type_name(tp: Any) -> str:
+def _type_name(tp: Any, rng: Optional[Range] = None) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+        return " or ".join(_type_name(a, rng) for a in typing.get_args(tp))
     if dataclasses.is_dataclass(tp):
         return "a mapping"
-    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+    name = getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+    return f"{name} {rng}" if tp in (int, float) and rng is not None and str(rng) else name
 
 
 def _show(value: Any, limit: int = 120) -> str:
@@ -553,7 +603,10 @@ def _show(value: Any, limit: int = 120) -> str:
     r = reprlib.Repr()
     r.maxlevel, r.maxstring, r.maxother = 3, limit, limit
     r.maxlist = r.maxtuple = r.maxdict = r.maxset = r.maxfrozenset = 8
-    return _cut(r.repr(value), limit)
+    try:
+        return _cut(r.repr(value), limit)
+    except ValueError:  # an integer over Python's 4300-digit str() limit (YAML reads 0x... as one)
+        return f"an integer of {value.bit_length()} bits" if isinstance(value, int) else type(value).__name__
 
 
 def _cut(text: str, limit: int = 120) -> str:
@@ -597,14 +650,25 @@ def _check_aliases(data: Any, where: str) -> None:
                           f"limit of {ALIAS_BUDGET} (an alias bomb?); refused")
 
 
-def _convert(value: Any, tp: Any, path: str) -> Any:
+def _check_number(value: float, raw: Any, rng: Optional[Range], path: str) -> None:
+    """`value` (converted from `raw`) is finite, in `rng` and, for an integer, fits in 64 bits."""
+    where = f" {rng}" if rng is not None and str(rng) else ""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RecipeError(f"{path}: must be a finite number{where}, got {_show(raw)}")
+    if rng is not None and not rng.contains(value):
+        raise RecipeError(f"{path}: must be{where}, got {_show(value)}")
+    if isinstance(value, int) and not -INT_MAX - 1 <= value <= INT_MAX:
+        raise RecipeError(f"{path}: must be{where}{' and' if where else ''} below 2**63, got {_show(value)}")
+
+
+def _convert(value: Any, tp: Any, path: str, rng: Optional[Range] = None) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _convert(value, inner[0], path)
+        return _convert(value, inner[0], path, rng)
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -629,11 +693,17 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise RecipeError(f"{path}: expected an integer, got {_show(value)}")
+        _check_number(value, value, rng, path)
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RecipeError(f"{path}: expected a number, got {_show(value)}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past float's range
+            number = math.inf if value > 0 else -math.inf
+        _check_number(number, value, rng, path)
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise RecipeError(f"{path}: expected a string, got {_show(value)}")
@@ -643,16 +713,16 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 
 def _build(cls: type, data: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
-        if key not in names:
+        if key not in fields:
             where = f"{prefix}.{key}" if prefix else str(key)
-            raise RecipeError(f"{_cut(where)}: unknown key; allowed keys here: {', '.join(names)}")
+            raise RecipeError(f"{_cut(where)}: unknown key; allowed keys here: {', '.join(fields)}")
     kwargs = {}
-    for name in names:
+    for name, f in fields.items():
         if name in data:
             where = f"{prefix}.{name}" if prefix else name
-            kwargs[name] = _convert(data[name], hints[name], where)
+            kwargs[name] = _convert(data[name], hints[name], where, f.metadata.get("range"))
     return cls(**kwargs)
 
 
@@ -664,30 +734,125 @@ def apply_override(data: dict, override: str) -> None:
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
-        raise RecipeError(f"override {_cut(key)}: cannot parse value {_show(raw)}: {e}") from None
+        raise RecipeError(f"override {_cut(key)}: cannot parse value {_show(raw)}: {_cut(str(e), 300)}") from None
     except RecursionError:
         raise RecipeError(f"override {_cut(key)}: value nested too deeply") from None
+    except (ValueError, OverflowError) as e:  # a YAML int over 4300 digits, a date that does not exist, ...
+        raise RecipeError(f"override {_cut(key)}: cannot read value {_show(raw)}: {_cut(str(e), 200)}") from None
     _check_aliases(value, f"override {_cut(key)}")
     parts = key.strip().split(".")
+    if not all(parts):
+        raise RecipeError(f"override {_show(key)}: expected key.path=value with a key path such as training.lr")
     node = data
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)
         if child is None:
             child = node[part] = {}
         elif not isinstance(child, dict):
-            raise RecipeError(f"override {key}: {'.'.join(parts[:i + 1])} is not a mapping")
+            raise RecipeError(f"override {_cut(key)}: {_cut('.'.join(parts[:i + 1]))} is not a mapping")
         node = child
     node[parts[-1]] = value
 
 
-def expand_pattern(pattern: str) -> list[str]:
-    """Shard files matched by a glob or brace range, sorted; only existing files."""
+MAX_SHARD_PATTERNS = 100_000
+"""Patterns a brace range in `data.shards` may expand to (each is globbed)."""
+
+
+def _brace_count(pattern: str, limit: int) -> int:
+    """How many patterns braceexpand(pattern) yields, counted without expanding (braceexpand
+    builds every one in memory first), capped at limit + 1. Mirrors braceexpand's parser; raises
+    ValueError on unbalanced braces, RecursionError on braces nested too deeply."""
+    from braceexpand import char_range_re, int_range_re, make_char_range
+
+    def pattern_count(p: str) -> int:
+        total, start, depth, pos = 1, 0, 0, 0
+        while pos < len(p):
+            if p[pos] == "\\":
+                pos += 2
+                continue
+            if p[pos] == "{":
+                start = pos if depth == 0 else start
+                depth += 1
+            elif p[pos] == "}":
+                depth -= 1
+                if depth == 0:
+                    total = min(total * expression_count(p[start + 1:pos]), limit + 1)
+                    start = pos + 1
+            pos += 1
+        if depth != 0:
+            raise ValueError("unbalanced braces")
+        return total
+
+    def expression_count(e: str) -> int:
+        m = int_range_re.match(e)
+        if m:
+            lo, hi, step = m.groups()
+            if max(len(lo), len(hi), len(step or "")) > 18:
+                return limit + 1
+            lo, hi, step = int(lo), int(hi), (int(step) or 1) if step else 1
+            return len(range(min(lo, hi), max(lo, hi) + 1, step))
+        m = char_range_re.match(e)
+        if m:
+            return len(make_char_range(*m.groups())) if len(m.group(3) or "") <= 18 else 1
+        items, start, depth, pos = [], 0, 0, 0
+        while pos < len(e):  # a sequence {a,b,...}: commas outside nested braces
+            if e[pos] == "\\":
+                pos += 2
+                continue
+            if e[pos] == "{":
+                depth += 1
+            elif e[pos] == "}":
+                depth -= 1
+            elif e[pos] == "," and depth == 0:
+                items.append(e[start:pos])
+                start = pos + 1
+            pos += 1
+        if depth != 0 or not items:  # not a sequence: braceexpand keeps the braces, expands inside
+            return pattern_count(e)
+        return sum(pattern_count(x) for x in items + [e[start:]])
+
+    return pattern_count(pattern)
+
+
+def check_pattern(pattern: str, key: Optional[str] = None) -> None:
+    """Refuse (RecipeError, naming `key`) a shard pattern braceexpand cannot expand or would
+    expand past MAX_SHARD_PATTERNS."""
+    where = f"{key}: " if key else ""
+    try:
+        n = _brace_count(pattern, MAX_SHARD_PATTERNS)
+    except ValueError:
+        raise RecipeError(f"{where}{_show(pattern)} has unbalanced braces") from None
+    except RecursionError:
+        raise RecipeError(f"{where}{_show(pattern)} has braces nested too deeply") from None
+    if n > MAX_SHARD_PATTERNS:
+        raise RecipeError(f"{where}{_show(pattern)} expands to more than {MAX_SHARD_PATTERNS} patterns")
+
+
+def expand_pattern(pattern: str, key: Optional[str] = None) -> list[str]:
+    """Shard files matched by a glob or brace range, sorted; only existing files. A pattern
+    that cannot be expanded is a RecipeError (naming `key` when given)."""
     from braceexpand import braceexpand  # webdataset's dependency
 
+    check_pattern(pattern, key)
     files: set[str] = set()
     for p in braceexpand(pattern):
         files.update(glob.glob(p))
     return sorted(files)
+
+
+def _is_file(path: str) -> bool:
+    """Path.is_file, False for a path the OS cannot even look up (too long, a NUL byte, ...)."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _is_dir(path: str) -> bool:
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def resolve_callable(spec: str, key: str = "algorithm.reward") -> Any:
@@ -697,40 +862,23 @@ def resolve_callable(spec: str, key: str = "algorithm.reward") -> Any:
     if spec in REGISTRY:
         return REGISTRY[spec]
     if ":" not in spec:
-        raise RecipeError(f"{key}: {spec!r} is neither a registered reward "
+        raise RecipeError(f"{key}: {_show(spec)} is neither a registered reward "
                           f"({', '.join(sorted(REGISTRY))}) nor module:function")
     mod, fn = spec.split(":", 1)
+    if not mod.strip() or mod.startswith(".") or not fn:
+        raise RecipeError(f"{key}: {_show(spec)}: expected module:function with an absolute module name")
     try:
         obj = getattr(importlib.import_module(mod), fn)
-    except (ImportError, AttributeError) as e:
-        raise RecipeError(f"{key}: cannot load {spec!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - importing a module runs its code: any error is the recipe's
+        raise RecipeError(f"{key}: cannot load {_show(spec)}: {type(e).__name__}: {_cut(str(e), 300)}") from None
     if not callable(obj):
-        raise RecipeError(f"{key}: {spec!r} is not callable")
+        raise RecipeError(f"{key}: {_show(spec)} is not callable")
     return obj
 
 
 def validate_algorithm(a: AlgorithmConfig) -> None:
-    """Checks of the algorithm section: clip ranges, KL, PPO, importance band, reward sources."""
-    for key, v in (("clip_eps", a.clip_eps), ("clip_eps_low", a.clip_eps_low), ("clip_eps_high", a.clip_eps_high)):
-        if v is not None and v <= 0:
-            raise RecipeError(f"algorithm.{key}: must be > 0, got {v}")
-    if a.clip_eps_low is not None and a.clip_eps_low >= 1:
-        raise RecipeError(f"algorithm.clip_eps_low: must be < 1 (ratio >= 1 - clip_eps_low), got {a.clip_eps_low}")
-    if a.kl_coef < 0:
-        raise RecipeError(f"algorithm.kl_coef: must be >= 0, got {a.kl_coef}")
-    p = a.ppo
-    for key, v in (("gamma", p.gamma), ("lam", p.lam)):
-        if not 0 <= v <= 1:
-            raise RecipeError(f"algorithm.ppo.{key}: must be in [0, 1], got {v}")
-    if p.value_clip < 0 or p.value_coef < 0:
-        raise RecipeError("algorithm.ppo.value_clip and value_coef: must be >= 0")
-    if p.critic_lr is not None and p.critic_lr <= 0:
-        raise RecipeError(f"algorithm.ppo.critic_lr: must be > 0, got {p.critic_lr}")
-    im = a.importance
-    if im.cap < 1:
-        raise RecipeError(f"algorithm.importance.cap: must be >= 1, got {im.cap}")
-    if not 0 <= im.low <= 1 <= im.high:
-        raise RecipeError(f"algorithm.importance: the band [low, high] must contain 1, got [{im.low}, {im.high}]")
+    """Checks of the reward sources (each field's range, the importance band's included, is checked
+    at load)."""
     names = set()
     for i, r in enumerate(a.rewards):
         key = f"algorithm.rewards[{i}]"
@@ -738,32 +886,40 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
             raise RecipeError(f"{key}: set exactly one of fn (a callable) and model (a reward-model folder)")
         if r.fn is not None:
             resolve_callable(r.fn, f"{key}.fn")
-        elif not (Path(r.model) / "config.json").is_file():
-            raise RecipeError(f"{key}.model: {r.model!r} is not a local transformers model folder (no config.json)")
-        if r.batch_size <= 0 or r.max_length <= 0:
-            raise RecipeError(f"{key}: batch_size and max_length must be positive")
+        elif not _is_file(str(Path(r.model) / "config.json")):
+            raise RecipeError(f"{key}.model: {_show(r.model)} is not a local transformers model folder "
+                              f"(no config.json)")
         name = r.source_name()
         if name in names:
-            raise RecipeError(f"{key}: a second source named {name!r}; give each a distinct `name`")
+            raise RecipeError(f"{key}: a second source named {_show(name)}; give each a distinct `name`")
         names.add(name)
 
 
+def validate_model(m: ModelConfig) -> None:
+    """Sizes that the towers and the backbone need together (each field's range is checked at load)."""
+    if m.num_heads % m.num_kv_heads or m.hidden_size % m.num_heads:
+        raise RecipeError("model.num_heads: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+    if (m.hidden_size // m.num_heads) % 2:
+        raise RecipeError(f"model.num_heads: the head size hidden_size / num_heads = {m.hidden_size // m.num_heads} "
+                          f"must be even (RoPE rotates pairs)")
+    v = m.vision
+    if v.embed_dim % v.num_heads or (v.embed_dim // v.num_heads) % 4:
+        raise RecipeError(f"model.vision.num_heads: the head size embed_dim / num_heads = {v.embed_dim} / "
+                          f"{v.num_heads} must be a whole multiple of 4 (the 2-D rotary embedding)")
+    if v.min_pixels > v.max_pixels:
+        raise RecipeError(f"model.vision.min_pixels: {v.min_pixels} is above model.vision.max_pixels={v.max_pixels}")
+    au = m.audio
+    if au.d_model % au.num_heads:
+        raise RecipeError(f"model.audio.num_heads: d_model {au.d_model} must divide by num_heads {au.num_heads}")
+    frames = round(au.clip_seconds * au.sample_rate / 160)  # as loomrl.encoders.audio.num_frames (10 ms hop)
+    if (frames + frames % 2) // 4 < 1:
+        raise RecipeError(f"model.audio.clip_seconds: {au.clip_seconds} s at {au.sample_rate} Hz is shorter "
+                          f"than one audio token (4 mel frames of 10 ms)")
+
+
 def validate(r: Recipe) -> None:
-    """Checks across fields and against the file system."""
-    positive = {
-        "rollout.n": r.rollout.n, "rollout.max_new_tokens": r.rollout.max_new_tokens,
-        "training.prompts_per_step": r.training.prompts_per_step,
-        "training.mini_batches": r.training.mini_batches,
-        "training.micro_batch_size": r.training.micro_batch_size,
-        "algorithm.epochs": r.algorithm.epochs, "model.hidden_size": r.model.hidden_size,
-        "checkpoint.keep_last": r.checkpoint.keep_last,
-    }
-    for key, v in positive.items():
-        if v <= 0:
-            raise RecipeError(f"{key}: must be positive, got {v}")
+    """Checks across fields and of the shard pattern (each field's range is checked at load)."""
     t = r.training
-    if t.nproc < 1:
-        raise RecipeError(f"training.nproc: must be >= 1, got {t.nproc}")
     if t.engine == "torch" and t.nproc != 1:
         raise RecipeError("training.nproc: the torch engine runs in one process; use training.engine "
                           "deepspeed or megatron for more")
@@ -771,38 +927,16 @@ def validate(r: Recipe) -> None:
         raise RecipeError(f"algorithm.name: ppo trains a value model (value head or separate critic) with the "
                           f"torch engine only; training.engine={t.engine!r} trains the policy alone "
                           f"(use grpo, or training.engine=torch)")
-    if t.deepspeed.zero_stage not in (0, 1, 2, 3):
-        raise RecipeError(f"training.deepspeed.zero_stage: must be 0, 1, 2 or 3, got {t.deepspeed.zero_stage}")
     if t.deepspeed.zero_stage == 0 and (t.deepspeed.bf16 or t.deepspeed.offload_optimizer):
         raise RecipeError("training.deepspeed.zero_stage: bf16 and offload_optimizer need zero_stage >= 1")
     tp = t.megatron.tensor_parallel
-    if tp < 1 or t.nproc % tp:
-        raise RecipeError(f"training.megatron.tensor_parallel: {tp} must be >= 1 and divide training.nproc={t.nproc}")
+    if t.nproc % tp:
+        raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide training.nproc={t.nproc}")
     if t.engine == "megatron" and (r.model.num_kv_heads % tp or r.model.intermediate_size % tp):
         raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide model.num_kv_heads="
                           f"{r.model.num_kv_heads} and model.intermediate_size={r.model.intermediate_size}")
-    if r.training.lr_warmup_steps < 0:
-        raise RecipeError(f"training.lr_warmup_steps: must be >= 0, got {r.training.lr_warmup_steps}")
-    if r.training.steps < 0:
-        raise RecipeError(f"training.steps: must be >= 0, got {r.training.steps}")
-    if r.logging.mismatch_every < 0:
-        raise RecipeError(f"logging.mismatch_every: must be >= 0, got {r.logging.mismatch_every}")
-    if r.rollout.temperature <= 0:
-        raise RecipeError("rollout.temperature: must be > 0 (log-probs are of logits / temperature)")
-    if not 0 < r.rollout.top_p <= 1:
-        raise RecipeError(f"rollout.top_p: must be in (0, 1], got {r.rollout.top_p}")
-    if r.model.num_heads % r.model.num_kv_heads or r.model.hidden_size % r.model.num_heads:
-        raise RecipeError("model.num_heads: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
-    d = r.rollout.drafter
-    for key, v, low in (("k", d.k, 1), ("max_history", d.max_history, 1),
-                        ("max_history_tokens", d.max_history_tokens, 1), ("max_prompts", d.max_prompts, 1),
-                        ("global_history", d.global_history, 0), ("prefetch_budget", d.prefetch_budget, 0),
-                        ("compare_every", d.compare_every, 0)):
-        if v < low:
-            raise RecipeError(f"rollout.drafter.{key}: must be >= {low}, got {v}")
+    validate_model(r.model)
     v = r.rollout.vllm
-    if v.kv_cache_gib <= 0 or v.max_model_len <= 0 or v.health_every < 0:
-        raise RecipeError("rollout.vllm: kv_cache_gib and max_model_len must be > 0, health_every >= 0")
     head_dim = r.model.hidden_size // r.model.num_heads
     if r.rollout.engine == "vllm" and head_dim % 32:  # vLLM-CPU's attention kernels (and most GPU ones)
         raise RecipeError(f"model.num_heads: rollout.engine=vllm needs a head size that is a multiple of 32; "
@@ -818,14 +952,7 @@ def validate(r: Recipe) -> None:
         raise RecipeError(f"training.mini_batches: {r.training.prompts_per_step} prompts per step "
                           f"({batch} trajectories) do not split into {r.training.mini_batches} "
                           f"mini-batches of whole groups")
-    pl = r.pipeline
-    for key, v, low in (("max_staleness", pl.max_staleness, -1), ("tokens_per_mini_batch", pl.tokens_per_mini_batch, 0),
-                        ("tokens_per_micro_batch", pl.tokens_per_micro_batch, 0),
-                        ("rollout_workers", pl.rollout_workers, 1), ("prompts_per_request", pl.prompts_per_request, 1)):
-        if v < low:
-            raise RecipeError(f"pipeline.{key}: must be >= {low}, got {v}")
-    if pl.worker_timeout_s <= 0:
-        raise RecipeError(f"pipeline.worker_timeout_s: must be > 0, got {pl.worker_timeout_s}")
+    check_pattern(r.data.shards, "data.shards")
     resolve_callable(r.algorithm.reward)
     validate_algorithm(r.algorithm)
 
@@ -835,12 +962,12 @@ def file_problems(r: Recipe) -> list[str]:
     checkpoint the policy starts from. `loomrl run --dry-run` reports these as notes, so a recipe
     for another machine (a GPU cluster) still validates here."""
     problems = []
-    if r.data.demo is None and not expand_pattern(r.data.shards):
+    if r.data.demo is None and not expand_pattern(r.data.shards, "data.shards"):
         problems.append(f"data.shards: no files match {_show(r.data.shards)} (and data.demo is null, "
                         f"so none will be generated)")
-    if r.model.tokenizer != "demo" and not Path(r.model.tokenizer).is_dir():
+    if r.model.tokenizer != "demo" and not _is_dir(r.model.tokenizer):
         problems.append(f"model.tokenizer: {_show(r.model.tokenizer)} is not 'demo' nor a tokenizer folder")
-    if r.model.init_from is not None and not (Path(r.model.init_from) / "config.json").is_file():
+    if r.model.init_from is not None and not _is_file(str(Path(r.model.init_from) / "config.json")):
         problems.append(f"model.init_from: {_show(r.model.init_from)} is not a local HF checkpoint folder "
                         f"(no config.json)")
     return problems
@@ -860,6 +987,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), files: bool 
             raise RecipeError(f"{path}: not valid YAML: {e}") from None
         except RecursionError:
             raise RecipeError(f"{path}: nested too deeply") from None
+        except (ValueError, OverflowError, OSError) as e:  # not UTF-8, a YAML int over 4300 digits, ...
+            raise RecipeError(f"{path}: cannot read it: {_cut(str(e), 200)}") from None
         _check_aliases(data, str(path))
         if not isinstance(data, dict):
             raise RecipeError(f"{path}: the top level must be a mapping")
@@ -904,5 +1033,5 @@ def field_docs(cls: type = Recipe, prefix: str = "") -> list[tuple[str, str, str
             rows.extend(field_docs(inner[0], key + "."))
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append((key, _type_name(tp), repr(default), docs.get(f.name, "")))
+            rows.append((key, _type_name(tp, f.metadata.get("range")), repr(default), docs.get(f.name, "")))
     return rows

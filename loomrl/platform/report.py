@@ -16,6 +16,16 @@ def _smooth(values: list[float], window: int = 10) -> list[float]:
     return out
 
 
+def _number(v) -> bool:
+    return isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1e300)
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows whose `key` is a number (NaN included: a diverged run shows it)."""
+    pts = [(r["step"], r[key]) for r in rows if _number(r.get(key))]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
 def write_report(run_dir: Path) -> Path:
     import matplotlib
 
@@ -28,7 +38,6 @@ def write_report(run_dir: Path) -> Path:
     rows = read_metrics(path)
     if not rows:
         raise ValueError(f"{path}: no steps recorded")
-    steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     panels = [
         (axes[0, 0], "reward_mean", "reward (mean per step)"),
@@ -37,16 +46,18 @@ def write_report(run_dir: Path) -> Path:
         (axes[1, 1], None, "time per step (s)"),
     ]
     for ax, key, title in panels:
-        # a key a run did not log (an older run folder) leaves its panel empty, not a traceback
+        # a key a run did not log (an older run folder), or logged as something other than a
+        # number, leaves its points out (its panel empty), not a traceback
         if key is None:
             for k in ("rollout_s", "train_s"):
-                if all(k in r for r in rows):
-                    ax.plot(steps, [r[k] for r in rows], label=k.replace("_s", ""))
+                xs, vals = _series(rows, k)
+                if xs:
+                    ax.plot(xs, vals, label=k.replace("_s", ""))
             ax.legend()
-        elif all(key in r for r in rows):
-            vals = [r[key] for r in rows]
-            ax.plot(steps, vals, alpha=0.35, label="per step")
-            ax.plot(steps, _smooth(vals), label="10-step mean")
+        elif _series(rows, key)[0]:
+            xs, vals = _series(rows, key)
+            ax.plot(xs, vals, alpha=0.35, label="per step")
+            ax.plot(xs, _smooth(vals), label="10-step mean")
             ax.legend()
         else:
             ax.text(0.5, 0.5, f"{key}: not logged by this run", ha="center", transform=ax.transAxes)

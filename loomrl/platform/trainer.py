@@ -39,7 +39,7 @@ from loomrl.platform import recipe as R
 from loomrl.platform.algorithms.advantages import assign_advantages
 from loomrl.platform.algorithms.critic import ValueHead, build_critic
 from loomrl.platform.algorithms.losses import critic_loss_fn, policy_loss_fn, sft_loss
-from loomrl.platform.checkpoint import load_checkpoint, load_extra_model, save_checkpoint
+from loomrl.platform.checkpoint import blame, check_run_state, load_checkpoint, load_extra_model, save_checkpoint
 from loomrl.platform.engines.base import allreduce_max, load_exported, world
 from loomrl.platform.metrics import MetricsLog, read_metrics
 from loomrl.platform.parts import configure_torch, shard_files
@@ -229,11 +229,13 @@ class Trainer:
         engine = TorchTrainEngine(model, r.training, lr=w.lr, params=params)
         rng = random.Random(r.training.seed + 1)
         if state is not None:  # resumed inside the warm-up
-            engine.load_state_dict(engine_state["warmup_engine"])
-            torch.set_rng_state(engine_state["torch_rng"])
-            self.prompts.load_state(state["data"])
-            version, internal, gauss = state["warmup_rng"]
-            rng.setstate((version, tuple(internal), gauss))
+            with blame(self.resume_from / "optimizer.pt"):
+                engine.load_state_dict(engine_state["warmup_engine"])
+                torch.set_rng_state(engine_state["torch_rng"])
+            with blame(self.resume_from / "state.json"):
+                self.prompts.load_state(state["data"])
+                version, internal, gauss = state["warmup_rng"]
+                rng.setstate((version, tuple(internal), gauss))
             path = self.out / "warmup.jsonl"
             if self.writer and path.exists():  # the steps after the checkpoint will be run again
                 kept = [row for row in read_metrics(path) if row["step"] < start]
@@ -459,8 +461,10 @@ class Trainer:
                    dynamic_ncols=True)
         stop = self.stop
         error = None
-        try:
-            with stop:
+        # the handlers stay in place while the run settles: a scheduler's (or torchrun's) SIGTERM then
+        # finds the final checkpoint being written instead of killing the process half way
+        with stop:
+            try:
                 for step in bar:
                     row = self.step(step)
                     self.step_count = step + 1
@@ -478,14 +482,14 @@ class Trainer:
                         raise Interrupted(step + 1, self.save())
                     if ck.every and self.step_count % ck.every == 0 and self.step_count < end:
                         self.save()
-        except WorkerDied as e:
-            error = str(e)
-        if error is None:  # the checkpoint holds the rollout side's state, so save before it stops
-            path = self.save()
-            self.source.finish(None)
-        else:  # what is in flight is settled (re-queued, counted) first; dead workers hold no state
-            self.source.finish(error)
-            path = self.save()
+            except WorkerDied as e:
+                error = str(e)
+            if error is None:  # the checkpoint holds the rollout side's state, so save before it stops
+                path = self.save()
+                self.source.finish(None)
+            else:  # what is in flight is settled (re-queued, counted) first; dead workers hold no state
+                self.source.finish(error)
+                path = self.save()
         finished = self.step_count == r.training.steps and error is None
         goal_met, goal_text = goal_check(self.rows, r.goal) if finished else (None, "")
         wall = time.perf_counter() - self.t0
@@ -536,11 +540,15 @@ class Trainer:
                                self.recipe.checkpoint.keep_last, extra or None)
 
     def load_state_dict(self, state: dict, engine_state: dict) -> None:
-        """Continue from a checkpoint (weights already loaded into the policy)."""
-        self.engine.load_state_dict(engine_state["engine"])
-        torch.set_rng_state(engine_state["torch_rng"])
-        self.source.load_state_dict(engine_state["source"])
-        self.prompts.load_state(state["data"])
+        """Continue from a checkpoint (weights already loaded into the policy); a saved state that
+        does not fit this run is a ValueError naming its file."""
+        check_run_state(state, engine_state, self.resume_from, critic=self.critic_engine is not None)
+        with blame(self.resume_from / "optimizer.pt"):
+            self.engine.load_state_dict(engine_state["engine"])
+            torch.set_rng_state(engine_state["torch_rng"])
+            self.source.load_state_dict(engine_state["source"])
+        with blame(self.resume_from / "state.json"):
+            self.prompts.load_state(state["data"])
         self.base_counts = state["trajectories"]
         self.step_count, self.version = state["step"], state["version"]
         if self.ref_model is not None:
@@ -548,7 +556,8 @@ class Trainer:
         for name, m in self.extra_models.items():
             load_extra_model(self.resume_from, name, m)
         if self.critic_engine is not None:
-            self.critic_engine.load_state_dict(engine_state["critic"])
+            with blame(self.resume_from / "optimizer.pt"):
+                self.critic_engine.load_state_dict(engine_state["critic"])
         # the steps after the checkpoint will be run again: drop their rows
         metrics = self.out / "metrics.jsonl"
         if metrics.exists():

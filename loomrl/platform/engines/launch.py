@@ -57,7 +57,9 @@ def init_distributed() -> None:
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if launched():
         dist.init_process_group(backend)
-    else:
+    else:  # one process: the environment a launcher would give it (DeepSpeed reads LOCAL_RANK)
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
