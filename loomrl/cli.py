@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import sys
@@ -9,17 +10,31 @@ import time
 from pathlib import Path
 
 
+class _StdHandler(logging.Handler):
+    """Writes to whatever sys.stdout / sys.stderr is at the time of the record (a test harness or
+    a redirect may swap them after logging was set up)."""
+
+    def __init__(self, stream: str, level: int = logging.NOTSET):
+        super().__init__(level)
+        self.stream_name = stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = getattr(sys, self.stream_name)
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:
+            self.handleError(record)
+
+
 def setup_logging() -> None:
     """loomrl's messages: progress to stdout, warnings and errors to stderr, no prefixes."""
-    import logging
-
     logger = logging.getLogger("loomrl")
-    if logger.handlers:
+    if any(isinstance(h, _StdHandler) for h in logger.handlers):
         return
-    out = logging.StreamHandler(sys.stdout)
+    out = _StdHandler("stdout")
     out.addFilter(lambda record: record.levelno < logging.WARNING)
-    err = logging.StreamHandler(sys.stderr)
-    err.setLevel(logging.WARNING)
+    err = _StdHandler("stderr", logging.WARNING)
     for h in (out, err):
         h.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(h)
@@ -212,6 +227,17 @@ GROUPS = {
 }
 
 
+def steps_count(text: str) -> int:
+    """--max-steps: an integer >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -230,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved recipe")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     p.add_argument("--resume-from", metavar="CKPT", help="continue from this checkpoint folder (step-N)")
-    p.add_argument("--max-steps", type=int, metavar="N", help="stop after N RL steps in total, with a checkpoint")
+    p.add_argument("--max-steps", type=steps_count, metavar="N",
+                   help="stop after N RL steps in total, with a checkpoint")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("report", help="plot DIR/metrics.jsonl into DIR/report.png")
     p.add_argument("run_dir")

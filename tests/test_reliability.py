@@ -422,7 +422,8 @@ def test_resume_command_is_shell_quoted(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(trainer.Trainer, "run", interrupted)
     out = tmp_path / "my run's folder"
-    overrides = ["name=a b; touch pwned", "data.shards=data/demo/demo-*.tar"]
+    overrides = ["algorithm.reward=rewards_for_tests:distinct_words", "data.shards=data/demo/demo-*.tar",
+                 "training.lr=0.0005"]
     assert main(["run", DEMO, *overrides, "--out", str(out)]) == 130
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("resume with: ")][0]
     assert shlex.split(line.removeprefix("resume with: ")) == ["loomrl", "run", DEMO, *overrides, "--out", str(out),
@@ -478,3 +479,15 @@ def test_resume_from_a_tampered_state_is_refused(short_run, capsys, tmp_path, ed
     assert main(run_args(short_run / "shards", tmp_path / "new", "--resume-from", str(ckpt), "--max-steps", "3")) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err, err[-2000:]
+
+
+def test_a_run_name_cannot_leave_the_runs_folder_and_max_steps_is_not_negative(tmp_path):
+    from loomrl.cli import main
+    from loomrl.platform import recipe as R
+
+    for name in (os.path.join("..", "..", "x"), "a/b", ".hidden", ""):
+        with pytest.raises(R.RecipeError, match="name:"):
+            R.load_recipe(ROOT / "recipes" / "demo.yaml", [f"name={name!r}"], files=False)
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(ROOT / "recipes" / "demo.yaml"), "--dry-run", "--max-steps", "-1"])
+    assert e.value.code == 2

@@ -568,7 +568,7 @@ class Recipe:
     """A whole run."""
 
     name: str = "run"
-    """Name of the run (used for the default output folder)."""
+    """Name of the run (the default output folder is runs/NAME-TIMESTAMP): letters, digits, `.`, `_`, `-`."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -919,6 +919,11 @@ def validate_model(m: ModelConfig) -> None:
 
 def validate(r: Recipe) -> None:
     """Checks across fields and of the shard pattern (each field's range is checked at load)."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", r.name):
+        raise RecipeError(f"name: {_show(r.name)} must be letters, digits, '.', '_' or '-' (at most 100, not "
+                          f"starting with '.' or '-'): it names the default run folder runs/NAME-TIME")
     t = r.training
     if t.engine == "torch" and t.nproc != 1:
         raise RecipeError("training.nproc: the torch engine runs in one process; use training.engine "
