@@ -6,7 +6,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 import shlex

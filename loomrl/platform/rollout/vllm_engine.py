@@ -45,7 +45,6 @@ child processes to orphan, ~2-3 s start on CPU. `shutdown()` stops its engine co
 from __future__ import annotations
 
 import gc
-import io
 import os
 import shutil
 import tempfile

@@ -12,7 +12,6 @@ micro-batches will be consumed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, micro_batches
 

@@ -229,7 +229,6 @@ class ColocatedSource:
         self.last_prompts: list = []
 
     def admit(self, step: int, version: int) -> list[list[Trajectory]]:
-        from loomrl.datasets.source import PromptSample  # noqa: F401  (type of self.prompts.next)
         from loomrl.platform import faults
         from loomrl.platform.engines.base import check_rank_agreement
         from loomrl.platform.parts import to_prompts
