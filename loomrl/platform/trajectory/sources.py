@@ -224,7 +224,6 @@ class ColocatedSource:
         self.generator = generator
         self.params = sampling_params(recipe)
         self.rank, self.world = world()
-        self.synced_version = rollout.version
         self.metrics: dict = {}
         self.last_prompts: list = []
 
@@ -242,22 +241,24 @@ class ColocatedSource:
         mine = list(range(self.rank, len(prompts), self.world))
         local = [prompts[i] for i in mine]
         self.generated_here = [p.id for p in local]  # this rank's share of the step's prompts
-        compare = None
+        # every compare_every steps the same prompts and weights also go through without drafting,
+        # timed; the order alternates, as the second call of a step finds the media encodings cached
         every = ro.drafter.compare_every
-        if every and step % every == 0 and self.rollout.drafter is not None:
-            # the same prompts and weights without drafting, timed; the order alternates, as
-            # the second call of a step finds the media encodings cached
-            plain_first = (step // every) % 2 == 0
-            plain = self.rollout.generate_plain(local, self.params, torch.Generator().manual_seed(step)) \
-                if plain_first else None
+        compare_now = bool(every) and step % every == 0 and self.rollout.drafter is not None
+        plain_first = compare_now and (step // every) % 2 == 0
+
+        def plain_run():
+            return self.rollout.generate_plain(local, self.params, torch.Generator().manual_seed(step))
+
+        plain = plain_run() if plain_first else None
         result = self.rollout.generate(local, self.params, self.generator)
-        if every and step % every == 0 and self.rollout.drafter is not None:
-            if not plain_first:
-                plain = self.rollout.generate_plain(local, self.params, torch.Generator().manual_seed(step))
-            if plain is not None:
-                compare = {"plain_tokens_per_s": plain.tokens / plain.seconds,
-                           "drafting_speedup": (result.tokens / result.seconds) / (plain.tokens / plain.seconds),
-                           "plain_forwards": plain.forwards, "drafted_forwards": result.forwards}
+        if compare_now and not plain_first:
+            plain = plain_run()
+        compare = None
+        if plain is not None:
+            compare = {"plain_tokens_per_s": plain.tokens / plain.seconds,
+                       "drafting_speedup": (result.tokens / result.seconds) / (plain.tokens / plain.seconds),
+                       "plain_forwards": plain.forwards, "drafted_forwards": result.forwards}
         for r in result.rollouts:  # NgramRL: finished rollouts feed their prompt's draft history
             self.rollout.observe(local[r.prompt_index].id, r.completion_ids)
         draft_stats = copy.copy(self.rollout.last_stats)
