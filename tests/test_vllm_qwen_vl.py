@@ -22,6 +22,7 @@ from loomrl.encoders.media import load_medium  # noqa: E402
 from loomrl.platform.backbone.tokenizer import load_tokenizer  # noqa: E402
 from loomrl.platform.backbone.vlm import build_policy  # noqa: E402
 from loomrl.platform.recipe import DrafterConfig, ModelConfig, VisionConfig, VLLMConfig  # noqa: E402
+from loomrl.platform.rollout import vllm_shims  # noqa: E402
 from loomrl.platform.rollout.base import Prompt, SamplingParams  # noqa: E402
 from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine, logprob_gap, uses_mrope  # noqa: E402
 from qwen_checkpoints import VOCAB, _qwen2_vl  # noqa: E402
@@ -182,10 +183,8 @@ def test_qwen2_5_vl_policy_is_served_as_qwen2_5_vl(tmp_path, prompts):
         engine.shutdown()
 
 
+@pytest.mark.skipif(not vllm_shims.torchvision_missing(),
+                    reason="torchvision is installed: vLLM's processes import Qwen2-VL without the stand-ins")
 def test_multiprocessing_without_torchvision_is_refused_by_name(policy):
-    from loomrl.platform.rollout import vllm_shims
-
-    if not vllm_shims.torchvision_missing():
-        pytest.skip("torchvision is installed: vLLM's processes import Qwen2-VL without the stand-ins")
     with pytest.raises(ValueError, match="rollout.vllm.multiprocessing"):
         VLLMRolloutEngine(policy[1], VLLMConfig(multiprocessing=True))

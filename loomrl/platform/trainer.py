@@ -236,12 +236,7 @@ class Trainer:
                 self.prompts.load_state(state["data"])
                 version, internal, gauss = state["warmup_rng"]
                 rng.setstate((version, tuple(internal), gauss))
-            path = self.out / "warmup.jsonl"
-            if self.writer and path.exists():  # the steps after the checkpoint will be run again
-                kept = [row for row in read_metrics(path) if row["step"] < start]
-                tmp = self.out / ".warmup.jsonl.tmp"
-                tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-                tmp.replace(path)
+            self.rows_before(self.out / "warmup.jsonl", start)  # the steps after the checkpoint run again
             log.info("[run] resumed the warm-up from %s at step %d", self.resume_from, start)
         wlog = (MetricsLog(self.out, "warmup.jsonl", r.logging.tensorboard, prefix="warmup/") if self.writer
                 else NoLog())
@@ -559,14 +554,18 @@ class Trainer:
             with blame(self.resume_from / "optimizer.pt"):
                 self.critic_engine.load_state_dict(engine_state["critic"])
         # the steps after the checkpoint will be run again: drop their rows
-        metrics = self.out / "metrics.jsonl"
-        if metrics.exists():
-            self.rows = [row for row in read_metrics(metrics) if row["step"] < self.step_count]
-        if self.writer:
-            tmp = self.out / ".metrics.jsonl.tmp"
-            tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
-            tmp.replace(metrics)
+        self.rows = self.rows_before(self.out / "metrics.jsonl", self.step_count)
         log.info("[run] resumed from %s at RL step %d", self.resume_from, self.step_count)
+
+    def rows_before(self, path: Path, step: int) -> list[dict]:
+        """The rows of a metrics file below `step`; rank 0 rewrites the file with only those
+        (atomically), so a resumed run's file reads as if it had never stopped."""
+        rows = [row for row in read_metrics(path) if row["step"] < step] if path.exists() else []
+        if self.writer:
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            tmp.replace(path)
+        return rows
 
     # ------------------------------------------------------------------ summary
 

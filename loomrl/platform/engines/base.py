@@ -107,7 +107,7 @@ def compare_digests(step: int, digests: list[int]) -> None:
 
 
 def check_rank_agreement(step: int, trajectories: list) -> bool:
-    """Every rank generates its own rollouts of the same prompts; they must agree. All-gathers
+    """After the rollout exchange every rank must hold the same step's trajectories. All-gathers
     each rank's trajectory digest (collective) and raises naming the step if they differ.
     True when the check ran (more than one rank), False in a single process."""
     rank, size = world()
