@@ -1,4 +1,4 @@
-"""The `loomrl` command line: run, report, recipe, shards, bench."""
+"""The `loomrl` command line: run, report, export, recipe, shards, bench."""
 from __future__ import annotations
 
 import argparse
@@ -197,6 +197,18 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """A checkpoint (or a run folder's newest) as a Hugging Face folder (loomrl.platform.export)."""
+    from loomrl.platform.export import export_checkpoint
+
+    try:
+        export_checkpoint(Path(args.checkpoint), Path(args.out), args.dtype, args.modality, args.overwrite)
+    except (OSError, ValueError) as e:  # the run folder, the checkpoint, --out: each names its file
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_recipe(args) -> int:
     """The recipe reference (every key, type, default, meaning) as a markdown table: printed,
     or with --out written to a file under a one-line header saying it is generated."""
@@ -262,6 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("report", help="plot DIR/metrics.jsonl into DIR/report.png")
     p.add_argument("run_dir")
     p.set_defaults(fn=cmd_report)
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder (transformers, vLLM)")
+    p.add_argument("checkpoint", help="RUN/checkpoints/step-N, or a run folder RUN (its newest checkpoint)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights' dtype (default: the checkpoint's)")
+    p.add_argument("--modality", choices=["image", "audio", "text"],
+                   help="image: Qwen2-VL / Qwen2.5-VL, audio: Qwen2-Audio, text: Qwen2ForCausalLM "
+                        "(default: model.init_from's; needed without one)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("recipe", help="print the recipe reference (every key, type, default)")
     p.add_argument("--out", metavar="FILE", help="write it to FILE (docs/recipe.md) with a generated-file header")
     p.set_defaults(fn=cmd_recipe)

@@ -16,25 +16,40 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention
             intermediate_size=128, max_position_embeddings=512, initializer_range=0.2)
 
 
-def _tokenizer(folder):
-    """A word-level tokenizer with the special tokens the Qwen processors look up."""
+# Qwen2-VL's chat template, without its tool and video branches: a default system turn, then
+# `<|im_start|>role\ncontent<|im_end|>\n` per message.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tokenizer(folder, words=(), chat_template=None):
+    """A word-level tokenizer with the special tokens the Qwen processors look up; `words` come
+    first in the vocabulary (then w0, w1, ... fill it), `chat_template` is saved with it."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<unk>"] + [f"w{i}" for i in range(VOCAB - 1 - len(SPECIAL))] + SPECIAL
+    plain = list(words) + [f"w{i}" for i in range(VOCAB - 1 - len(SPECIAL) - len(words))]
+    words = ["<unk>"] + plain + SPECIAL
+    assert len(words) == VOCAB, "too many words for the tiny vocabulary"
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>", additional_special_tokens=SPECIAL[1:])
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(folder)
     return fast
 
 
-def _qwen2_vl(folder, kind="qwen2_vl", vocab_size=VOCAB):
-    """vocab_size: embedding rows; more than the tokenizer's VOCAB tokens pads the vocabulary."""
+def _qwen2_vl(folder, kind="qwen2_vl", vocab_size=VOCAB, words=(), chat_template=None):
+    """vocab_size: embedding rows; more than the tokenizer's VOCAB tokens pads the vocabulary.
+    words, chat_template: see `_tokenizer`."""
     import transformers as T
 
-    tok = _tokenizer(folder)
+    tok = _tokenizer(folder, words, chat_template)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
     eos = ids["<|endoftext|>"]
     torch.manual_seed(0)

@@ -486,6 +486,10 @@ def test_fifos_are_refused_by_make_as_manifest_or_medium(tmp_path, fifos, capsys
     assert main(["make", str(tmp_path / "media.jsonl"), "--out", f"{out}/m-%d.tar"]) == 0
     err = capsys.readouterr().err
     assert "rejected id=a (" in err and f"file={medium}: unreadable-file: is a FIFO (named pipe)" in err
-    if len(lines) == 3:
+    if len(lines) == 3:  # outside the manifest's folder: refused before it is opened
+        assert "file=/dev/zero: path-outside-source: '/dev/zero' resolves to /dev/zero" in err
+        # allowed outside, the device is still never read
+        assert main(["make", str(tmp_path / "media.jsonl"), "--out", f"{out}2/n-%d.tar", "--allow-outside"]) == 0
+        err += capsys.readouterr().err
         assert "file=/dev/zero: unreadable-file: is a character device" in err
     assert "Traceback" not in err and fifos.released == []

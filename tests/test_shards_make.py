@@ -117,6 +117,7 @@ def job(real, tmp_path_factory):
          "images": ["media/astronaut.png"], "audio": ["media/front_left.wav"]},
         {"id": "stereo", "prompt": "<audio> which side ?", "audio": ["media/stereo44k.wav"]},
         {"id": 42, "prompt": "a text-only prompt", "answer": "fine"},
+        {"id": "no-marker", "prompt": "describe", "images": ["media/camera.png"]},  # gets "<image>describe"
     ]
     bad = [
         ({"id": "truncated", "prompt": "<image> x", "images": ["media/truncated.png"]}, "bad-image"),
@@ -131,10 +132,11 @@ def job(real, tmp_path_factory):
         ({"id": "long", "prompt": "<audio> x", "audio": ["media/long.wav"]}, "audio-too-long"),
         ({"id": "half-good", "prompt": "<image> <audio> x", "images": ["media/camera.png"],
           "audio": ["media/nope.wav"]}, "missing-file"),
-        ({"id": "no-marker", "prompt": "describe", "images": ["media/camera.png"]}, "marker-mismatch"),
-        ({"id": "bad-types", "prompt": "<image> x", "images": "media/camera.png"}, "bad-line"),
+        ({"id": "one-marker-short", "prompt": "<image> x", "images": ["media/camera.png", "media/logo.png"]},
+         "marker-mismatch"),
+        ({"id": "bad-types", "prompt": "<image> x", "images": {"path": "media/camera.png"}}, "bad-line"),
         ({"id": "speech", "prompt": "<audio> again", "audio": ["media/front_center.wav"]}, "duplicate-id"),
-        ({"prompt": "no id"}, "bad-line"),
+        ({"id": "no-prompt", "answer": "an answer to nothing"}, "bad-line"),
     ]
     lines = [json.dumps(s) for s in good[:4]] + ["", "{not json"]
     lines += [json.dumps(s) for s, _ in bad[:8]] + [json.dumps(s) for s in good[4:]]
@@ -162,7 +164,7 @@ def test_make_writes_exactly_the_good_samples(made):
     assert made["rc"] == 0, made["stderr"]
     samples = list(read_shards(made["files"]))
     assert [s["id"] for s in samples] == [str(g["id"]) for g in made["good"]]
-    assert len(made["files"]) == 3  # 9 samples, 4 per shard
+    assert len(made["files"]) == 3  # 10 samples, 4 per shard
     assert not list(made["out"].glob("*.tmp"))
 
 
@@ -183,7 +185,7 @@ def test_every_rejection_is_reported_with_its_reason(made):
     assert by_id["half-good"]["file"].endswith("nope.wav")
     assert "already used at" in by_id["speech"]["reason"]
     assert f"rejected {len(rows)}:" in made["stdout"]
-    assert "wrote 9 samples" in made["stdout"]
+    assert "wrote 10 samples" in made["stdout"] and "markers placed before the text in 1;" in made["stdout"]
 
 
 @needs_real_media
@@ -224,6 +226,8 @@ def test_round_trip_bytes_and_hashes(made):
     assert samples["rocket"]["meta"] == {"source": "nasa"} and samples["rocket"]["answer"] == "a rocket"
     assert samples["42"]["media"] == [] and samples["42"]["answer"] == "fine"
     assert "answer" not in samples["camera"]
+    assert samples["no-marker"]["prompt"] == "<image>describe"  # no marker: placed before the text
+    assert samples["no-marker"]["media"][0][2] == (m / "camera.png").read_bytes()
 
 
 @needs_real_media
@@ -270,20 +274,20 @@ def test_stock_webdataset_and_tar_read_the_shards(made):
 @needs_real_media
 def test_verify_and_inspect_on_made_shards(made, capsys):
     assert main(["verify", str(made["out"] / "train-*.tar")]) == 0
-    assert "verified 9 samples in 3 shard(s): OK" in capsys.readouterr().out
+    assert "verified 10 samples in 3 shard(s): OK" in capsys.readouterr().out
     assert main(["inspect", str(made["out"] / "train-*.tar"), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     samples = list(read_shards(made["files"]))
     media = [x for s in samples for x in s["media"]]
-    assert stats["samples"] == 9 and stats["shards"] == 3
-    assert stats["media_total"] == len(media) == 9
-    assert stats["media_unique"] == len({sha for _, sha, _ in media}) == 8
+    assert stats["samples"] == 10 and stats["shards"] == 3
+    assert stats["media_total"] == len(media) == 10
+    assert stats["media_unique"] == len({sha for _, sha, _ in media}) == 8  # astronaut and camera twice
     assert stats["media_bytes"] == sum(len(d) for _, _, d in media)
-    assert stats["modalities"] == {"audio": 2, "audio+image": 1, "image": 5, "text": 1}
+    assert stats["modalities"] == {"audio": 2, "audio+image": 1, "image": 6, "text": 1}
     assert [s["bytes"] for s in stats["shard_sizes"]] == [os.path.getsize(f) for f in made["files"]]
     assert main(["inspect", str(made["out"] / "train-*.tar")]) == 0
     text = capsys.readouterr().out
-    assert "unique media  8 by sha256" in text and "samples       9" in text
+    assert "unique media  8 by sha256" in text and "samples       10" in text
 
 
 @needs_real_media
@@ -293,7 +297,13 @@ def test_make_reads_a_folder_of_manifests(made, capsys):
     for i, g in enumerate(made["good"][:3]):
         g = {**g, "images": [str(made["media"] / Path(p).name) for p in g.get("images", [])]}  # absolute paths
         (folder / f"part-{i}.jsonl").write_text(json.dumps(g) + "\n")
-    assert main(["make", str(folder), "--out", str(made["root"] / "p" / "p-%06d.tar")]) == 0
+    # absolute paths outside the manifests' folder: refused unless --allow-outside
+    assert main(["make", str(folder), "--out", str(made["root"] / "q" / "q-%06d.tar")]) == 1
+    rows = [json.loads(x) for x in (made["root"] / "q" / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["code"]) for r in rows] == [(g["id"], "path-outside-source") for g in made["good"][:2]] + [
+        ("rocket", "path-outside-source")]
+    capsys.readouterr()
+    assert main(["make", str(folder), "--out", str(made["root"] / "p" / "p-%06d.tar"), "--allow-outside"]) == 0
     files = sorted(str(p) for p in (made["root"] / "p").glob("p-*.tar"))
     assert [s["id"] for s in read_shards(files)] == ["astronaut", "camera", "rocket"]
 

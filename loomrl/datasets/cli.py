@@ -57,6 +57,20 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def field_mapping(text: str) -> tuple[str, str]:
+    """'prompt=text' -> ('prompt', 'text'): `--field NAME=KEY`, NAME one of the manifest's fields."""
+    from loomrl.datasets.manifest import FIELD_KEYS
+
+    name, eq, key = text.partition("=")
+    name, key = name.strip(), key.strip()
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=KEY (e.g. prompt=question)")
+    if name not in FIELD_KEYS:
+        raise argparse.ArgumentTypeError(f"unknown field {name!r} in {text!r}; NAME is one of "
+                                         f"{', '.join(FIELD_KEYS)}")
+    return name, key
+
+
 def expand(patterns: list[str]) -> list[str]:
     """Shard files of glob / brace patterns (or plain paths the shell already expanded)."""
     from loomrl.platform.recipe import expand_pattern
@@ -76,6 +90,7 @@ def progress_wanted() -> bool:
 
 def cmd_make(args) -> int:
     from loomrl.datasets.files import NotRegularFile
+    from loomrl.datasets.manifest import ReadOptions
     from loomrl.datasets.prepare import Limits, make_shards, print_rejection
     from loomrl.datasets.shards import check_pattern, existing_shards
 
@@ -83,6 +98,18 @@ def cmd_make(args) -> int:
         check_pattern(args.out)
     except ValueError as e:
         print(f"error: --out: {e}", file=sys.stderr)
+        return 2
+    mapping: dict[str, str] = {}
+    for name, key in args.field:
+        if name in mapping and mapping[name] != key:
+            print(f"error: --field: {name} given twice ({mapping[name]!r} and {key!r})", file=sys.stderr)
+            return 2
+        mapping[name] = key
+    try:
+        options = ReadOptions.with_fields(mapping, require_markers=args.require_markers,
+                                          allow_outside=args.allow_outside)
+    except ValueError as e:
+        print(f"error: --field: {e}", file=sys.stderr)
         return 2
     try:
         existing = existing_shards(args.out)
@@ -103,7 +130,7 @@ def cmd_make(args) -> int:
     try:
         result = make_shards(args.source, args.out, maxcount=args.maxcount, maxsize=args.maxsize,
                              limits=limits, workers=args.workers, on_reject=print_rejection,
-                             progress=progress_wanted())
+                             progress=progress_wanted(), options=options)
     except (FileNotFoundError, NotRegularFile) as e:  # no manifest, or a FIFO or device in its place
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -112,9 +139,12 @@ def cmd_make(args) -> int:
         print(f"error: {where}{e.strerror or e}; no shard was written and no partial file is left",
               file=sys.stderr)
         return 2
-    print(result.summary())
-    if result.rejected:
-        print(f"rejections listed in {_rejected_path(args.out)}")
+    if args.json:
+        print(json.dumps({**result.to_json(), "rejected_file": _rejected_path(args.out)}, indent=1))
+    else:
+        print(result.summary())
+        if result.rejected:
+            print(f"rejections listed in {_rejected_path(args.out)}")
     if result.samples == 0:
         print("error: no sample passed validation; nothing was written", file=sys.stderr)
         return 1
@@ -197,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-file-bytes", type=byte_count, default=MAX_MEMBER_BYTES,
                    help=f"largest media file, as read and as stored (default {MAX_MEMBER_BYTES})")
     p.add_argument("--workers", type=thread_count, default=4, help="decoding threads (default 4)")
+    p.add_argument("--field", type=field_mapping, action="append", default=[], metavar="NAME=KEY",
+                   help="read field NAME (id, prompt, answer, images, audio) from manifest key KEY only; "
+                        "repeatable (default keys: docs/shards.md)")
+    p.add_argument("--require-markers", action="store_true",
+                   help="reject a prompt with media but no <image>/<audio> marker (default: the media "
+                        "are placed before its text)")
+    p.add_argument("--allow-outside", action="store_true",
+                   help="allow media paths that resolve outside the manifest's folder (trusted manifests only)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(fn=cmd_make)
 
     for name, fn, text in (("verify", cmd_verify, "read every sample back: hashes, decodability"),

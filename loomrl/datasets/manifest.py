@@ -1,15 +1,42 @@
 """JSONL manifests: the input of `loomrl shards make`.
 
-One sample per line:
+One sample per line, in the field names public VQA / captioning sets already use:
 
     {"id": "cat-001", "prompt": "<image> what animal is this ?", "answer": "a cat",
      "images": ["img/cat.jpg"], "audio": [], "source": "web"}
+    {"question": "what animal is this ?", "image": "img/cat.jpg", "answer": 1}
 
-`id` and `prompt` are required; `answer` is optional; `images` and `audio` are
-lists of paths relative to the manifest's folder; every other key (and the
-keys of an optional `meta` object) goes to the sample's `meta`. Media follow
-the order of the `<image>` / `<audio>` markers in the prompt, so the prompt
-must have one marker per medium.
+Fields (`FIELD_KEYS`: the keys each is read from, the first one present wins;
+two of one field's keys in one line are a `bad-line`, naming both):
+
+- id: `id` (a string or a whole number). Optional: a line without one gets
+  `<manifest file stem>-<line number>`; an id (given or made) claims its
+  first line, a later line with the same id is a `duplicate-id`.
+- prompt: `prompt`, `question`, `query` or `instruction`; a non-empty string.
+- answer: `answer`; optional; a string, a number (stored as its string) or a
+  non-empty list of strings (the first is the answer, the whole list goes to
+  meta as `answers`).
+- images: `images` or `image`; audio: `audio` or `audios`. Each a list of
+  paths or one path string (null: none), relative to the manifest's folder.
+
+`--field NAME=KEY` (`ReadOptions.with_fields`) reads a field from KEY only;
+that key is then no other field's. Every other key (and the keys of an
+optional `meta` object) goes to the sample's `meta`.
+
+Markers: media go where the prompt's `<image>` / `<audio>` markers are, one
+marker per medium (a count that does not match is a `marker-mismatch`). A
+prompt with media and no marker at all gets them placed before its text, in
+manifest order (images in list order, then clips), with no separator, as
+Qwen2-VL's chat template puts the vision tokens before the question:
+"<image><image>" + text (`Entry.markers_placed`); `require_markers` refuses
+such a line instead.
+
+Paths: a medium whose real path (`os.path.realpath`: symlinks, `..` and
+absolute paths resolved) is outside the real folder of its manifest is a
+`path-outside-source` rejection, decided here, before any file is opened;
+`allow_outside` (only for trusted manifests) lets it through. This checks what
+the manifest names when its line is read; it is not a guard against files
+being swapped inside the folder while the job runs.
 
 A manifest is a .jsonl file or a folder of them (read in name order). A bad
 line becomes a `Rejection`, never an exception: the job goes on.
@@ -17,6 +44,7 @@ line becomes a `Rejection`, never an exception: the job goes on.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -29,6 +57,50 @@ MARKERS = {"<image>": "image", "<audio>": "audio"}
 _MARKER = re.compile(r"<image>|<audio>")
 MAX_LINE_BYTES = 1 << 20
 
+# Field -> the keys it is read from, in order; `--field NAME=KEY` replaces one list.
+FIELD_KEYS: dict[str, tuple[str, ...]] = {
+    "id": ("id",),
+    "prompt": ("prompt", "question", "query", "instruction"),
+    "answer": ("answer",),
+    "images": ("images", "image"),
+    "audio": ("audio", "audios"),
+}
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How manifest lines are read: which keys give which field, and the two strict/lax switches."""
+
+    fields: tuple[tuple[str, tuple[str, ...]], ...] = tuple(FIELD_KEYS.items())
+    """(field, keys it is read from) for each of FIELD_KEYS' fields."""
+    explicit: frozenset = frozenset()
+    """Fields given by `--field` (named so in messages)."""
+    require_markers: bool = False
+    """A prompt with media but no marker is a `marker-mismatch` instead of getting markers placed."""
+    allow_outside: bool = False
+    """Media paths may resolve outside the manifest's folder (trusted manifests only)."""
+
+    @classmethod
+    def with_fields(cls, mapping: dict[str, str], **switches) -> "ReadOptions":
+        """Options where each `mapping` field (NAME -> KEY, as `--field NAME=KEY`) is read from
+        KEY only, and KEY is no other field's. ValueError naming the bad NAME or KEY."""
+        for name, key in mapping.items():
+            if name not in FIELD_KEYS:
+                raise ValueError(f"unknown field {name!r} (want one of {', '.join(FIELD_KEYS)})")
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"field {name!r}: the key must be a non-empty name")
+            if key == "meta":
+                raise ValueError(f"field {name!r}: 'meta' is the metadata object, not a field's key")
+        keys = list(mapping.values())
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise ValueError(f"key(s) {twice} mapped to more than one field")
+        claimed = set(keys)
+        fields = tuple((name, (mapping[name],) if name in mapping else
+                        tuple(k for k in default if k not in claimed))
+                       for name, default in FIELD_KEYS.items())
+        return cls(fields=fields, explicit=frozenset(mapping), **switches)
+
 
 @dataclass
 class Entry:
@@ -40,6 +112,7 @@ class Entry:
     meta: dict
     media: list[tuple[str, str]]  # (kind, absolute or manifest-relative-resolved path)
     where: str                    # manifest.jsonl:LINE
+    markers_placed: bool = False  # the prompt had no marker: they were put before its text
 
 
 @dataclass
@@ -89,16 +162,18 @@ class Manifest:
                 n += sum(1 for _ in fh)
         return n
 
-    def entries(self) -> Iterator[Union[Entry, Rejection]]:
+    def entries(self, options: ReadOptions = ReadOptions()) -> Iterator[Union[Entry, Rejection]]:
         """Every line, as an Entry or a Rejection; blank lines are skipped.
         An id claims its first line: a later line with the same id is rejected."""
         seen: dict[str, str] = {}
         for path in self.files:
+            stem = os.path.splitext(os.path.basename(path))[0]
             with open_regular(path) as fh:  # not a FIFO swapped in since from_source
                 for n, raw in enumerate(fh, 1):
                     if not raw.strip():
                         continue
-                    item = parse_line(raw, f"{path}:{n}", os.path.dirname(os.path.abspath(path)))
+                    item = parse_line(raw, f"{path}:{n}", os.path.dirname(os.path.abspath(path)),
+                                      options, default_id=f"{stem}-{n}")
                     if isinstance(item, Entry):
                         if item.id in seen:
                             item = Rejection(item.id, item.where, "duplicate-id",
@@ -108,8 +183,17 @@ class Manifest:
                     yield item
 
 
-def parse_line(raw: bytes, where: str, base: str) -> Union[Entry, Rejection]:
-    """One manifest line -> Entry, or a Rejection naming what is wrong with it."""
+def outside(path: str, base: str) -> Optional[str]:
+    """The real path of `path` (relative to `base`) when it is outside base's real folder, else None."""
+    real = os.path.realpath(os.path.join(base, path))
+    root = os.path.realpath(base)
+    return None if os.path.commonpath([root, real]) == root else real
+
+
+def parse_line(raw: bytes, where: str, base: str, options: ReadOptions = ReadOptions(),
+               default_id: Optional[str] = None) -> Union[Entry, Rejection]:
+    """One manifest line -> Entry, or a Rejection naming what is wrong with it. `base` is the
+    manifest's folder; `default_id` the id of a line without one (None: the id is required)."""
     def bad(reason: str, sample_id: Optional[str] = None) -> Rejection:
         return Rejection(sample_id, where, "bad-line", reason)
 
@@ -121,38 +205,101 @@ def parse_line(raw: bytes, where: str, base: str) -> Union[Entry, Rejection]:
         return bad(f"not valid JSON ({e})")
     if not isinstance(obj, dict):
         return bad(f"a line must be a JSON object, got {type(obj).__name__}")
-    sample_id = obj.pop("id", None)
+
+    # Each field from its one key present; two present keys of one field are ambiguous.
+    values: dict[str, tuple[str, object]] = {}  # field -> (key, value)
+    for name, keys in options.fields:
+        present = [k for k in keys if k in obj]
+        if len(present) > 1:
+            sid = obj.get("id") if isinstance(obj.get("id"), str) else None
+            return bad(f"keys {' and '.join(repr(k) for k in present)} both give the {name}; keep one, "
+                       f"or choose with --field {name}=KEY", sid)
+        if present:
+            values[name] = (present[0], obj.pop(present[0]))
+
+    def key_of(name: str) -> str:
+        """How a field is named in a message: its key, and the --field that chose it."""
+        keys = dict(options.fields)[name]
+        key = values[name][0] if name in values else "' or '".join(keys) or name
+        return f"'{key}' (--field {name})" if name in options.explicit else f"'{key}'"
+
+    sample_id = values.get("id", (None, None))[1]
     if isinstance(sample_id, int) and not isinstance(sample_id, bool):
         sample_id = str(sample_id)
+    if "id" not in values and default_id is not None:
+        sample_id = default_id
     if not isinstance(sample_id, str) or not sample_id.strip():
-        return bad("field 'id' must be a non-empty string")
-    prompt = obj.pop("prompt", None)
+        return bad(f"field {key_of('id')} must be a non-empty string or a whole number")
+    prompt = values.get("prompt", (None, None))[1]
     if not isinstance(prompt, str) or not prompt.strip():
-        return bad("field 'prompt' must be a non-empty string", sample_id)
-    answer = obj.pop("answer", None)
-    if answer is not None and not isinstance(answer, str):
-        return bad("field 'answer' must be a string when given", sample_id)
+        what = "must be a non-empty string" if "prompt" in values else "is missing"
+        return bad(f"the prompt, field {key_of('prompt')}, {what}", sample_id)
+
+    answer = values.get("answer", (None, None))[1]
+    answers = None
+    if isinstance(answer, list):
+        if not answer or not all(isinstance(a, str) for a in answer):
+            return bad(f"field {key_of('answer')} must be a non-empty list of strings when a list",
+                       sample_id)
+        answers, answer = answer, answer[0]
+    elif isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        if not math.isfinite(answer):
+            return bad(f"field {key_of('answer')} must be a finite number when a number", sample_id)
+        answer = str(answer)
+    elif answer is not None and not isinstance(answer, str):
+        return bad(f"field {key_of('answer')} must be a string, a number or a list of strings when given",
+                   sample_id)
+
     lists = {}
     for name in ("images", "audio"):
-        value = obj.pop(name, [])
+        value = values.get(name, (None, None))[1]
+        if value is None:
+            value = []
+        elif isinstance(value, str):
+            value = [value]
         if not (isinstance(value, list) and all(isinstance(p, str) and p for p in value)):
-            return bad(f"field '{name}' must be a list of file paths", sample_id)
+            return bad(f"field {key_of(name)} must be a file path or a list of file paths", sample_id)
         lists[name] = value
+
     meta = obj.pop("meta", {})
     if not isinstance(meta, dict):
         return bad("field 'meta' must be an object when given", sample_id)
+    if answers is not None:
+        if "answers" in obj or "answers" in meta:
+            return bad(f"field {key_of('answer')} is a list, kept in meta as 'answers', but the line "
+                       f"already has an 'answers' key", sample_id)
+        obj["answers"] = answers
     clash = sorted(set(meta) & set(obj))
     if clash:
         return bad(f"key(s) {clash} given both at the top level and in 'meta'", sample_id)
     meta = {**meta, **obj}  # extra keys are metadata
 
     markers = [MARKERS[m] for m in _MARKER.findall(prompt)]
+    n_images, n_clips = len(lists["images"]), len(lists["audio"])
+    placed = not markers and n_images + n_clips > 0
+    if placed and options.require_markers:
+        return Rejection(sample_id, where, "marker-mismatch",
+                         f"prompt has no <image> or <audio> marker for {n_images} image(s) and {n_clips} "
+                         f"clip(s), and --require-markers is on; put one marker where each medium goes, "
+                         f"or leave out --require-markers to have them placed before the text")
+    if placed:
+        markers = ["image"] * n_images + ["audio"] * n_clips
+        prompt = "<image>" * n_images + "<audio>" * n_clips + prompt
     counts = {"image": markers.count("image"), "audio": markers.count("audio")}
-    if counts["image"] != len(lists["images"]) or counts["audio"] != len(lists["audio"]):
+    if counts["image"] != n_images or counts["audio"] != n_clips:
         return Rejection(sample_id, where, "marker-mismatch",
                          f"prompt has {counts['image']} <image> and {counts['audio']} <audio> marker(s) for "
-                         f"{len(lists['images'])} image(s) and {len(lists['audio'])} clip(s); put one marker "
-                         f"where each medium goes")
+                         f"{n_images} image(s) and {n_clips} clip(s); put one marker where each medium goes "
+                         f"(or none at all, to have them placed before the text)")
+
+    if not options.allow_outside:
+        for path in lists["images"] + lists["audio"]:
+            real = outside(path, base)
+            if real is not None:
+                return Rejection(sample_id, where, "path-outside-source",
+                                 f"{path!r} resolves to {real}, outside the manifest's folder "
+                                 f"{os.path.realpath(base)}; --allow-outside allows it (trusted manifests "
+                                 f"only)", file=os.path.join(base, path))
     queues = {"image": list(lists["images"]), "audio": list(lists["audio"])}
     media = [(kind, os.path.join(base, queues[kind].pop(0))) for kind in markers]
-    return Entry(sample_id, prompt, answer, meta, media, where)
+    return Entry(sample_id, prompt, answer, meta, media, where, markers_placed=placed)

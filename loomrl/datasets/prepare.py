@@ -14,7 +14,10 @@ trainer cannot read:
   resolves, at half the bytes of float).
 
 A bad sample never stops the job and is never dropped silently: it becomes a
-Rejection (stderr, rejected.jsonl, summary counts).
+Rejection (stderr, rejected.jsonl, summary counts). How manifest lines are read
+(field names, markers placed before a marker-free prompt, media paths kept
+inside the manifest's folder) is `manifest.ReadOptions`; the summary counts the
+written samples whose markers were placed.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from typing import Callable, Iterator, Optional, Union
 import numpy as np
 
 from loomrl.datasets.files import NotRegularFile, open_regular
-from loomrl.datasets.manifest import Entry, Manifest, Rejection
+from loomrl.datasets.manifest import Entry, Manifest, ReadOptions, Rejection
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, write_shards
 
 KEEP_IMAGE_FORMATS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
@@ -184,6 +187,7 @@ class MakeResult:
     media_bytes: int = 0
     rejected: list[Rejection] = field(default_factory=list)
     seconds: float = 0.0
+    markers_placed: int = 0  # written samples whose prompt had no marker: media placed before the text
 
     def summary(self) -> str:
         codes = Counter(r.code for r in self.rejected)
@@ -191,22 +195,34 @@ class MakeResult:
         text = (f"wrote {self.samples} samples ({self.media['image']} images, {self.media['audio']} clips, "
                 f"{self.media_bytes / 1e6:.1f} MB of media) to {len(self.shards)} shard(s), "
                 f"{total / 1e6:.1f} MB, in {self.seconds:.1f} s")
+        if self.markers_placed:
+            text += f"; markers placed before the text in {self.markers_placed}"
         if self.rejected:
             text += f"; rejected {len(self.rejected)}: " + ", ".join(f"{n} {c}" for c, n in codes.most_common())
         else:
             text += "; rejected 0"
         return text
 
+    def to_json(self) -> dict:
+        """The summary's numbers (`shards make --json`)."""
+        codes = Counter(r.code for r in self.rejected)
+        return {"written": self.samples, "shards": list(self.shards),
+                "shard_bytes": sum(os.path.getsize(s) for s in self.shards),
+                "images": self.media["image"], "clips": self.media["audio"], "media_bytes": self.media_bytes,
+                "markers_placed": self.markers_placed, "rejected": len(self.rejected),
+                "rejected_by_code": dict(codes.most_common()), "seconds": round(self.seconds, 3)}
+
 
 def make_shards(source: str, pattern: str, *, maxcount: int = 1000, maxsize: Optional[int] = None,
                 limits: Limits = Limits(), workers: int = 4,
                 on_reject: Callable[[Rejection], None] = lambda r: None,
-                progress: bool = False) -> MakeResult:
-    """Validate every sample of the manifest(s) at `source` and write the good ones
-    with `write_shards`; every rejection goes to `on_reject` and to
-    DIR/rejected.jsonl (DIR = the pattern's folder; written even when empty; an
-    existing one is never overwritten: FileExistsError). On failure (an OSError
-    such as a full disk, naming the file) nothing of this call is left behind."""
+                progress: bool = False, options: ReadOptions = ReadOptions()) -> MakeResult:
+    """Validate every sample of the manifest(s) at `source` (lines read with
+    `options`) and write the good ones with `write_shards`; every rejection goes
+    to `on_reject` and to DIR/rejected.jsonl (DIR = the pattern's folder; written
+    even when empty; an existing one is never overwritten: FileExistsError). On
+    failure (an OSError such as a full disk, naming the file) nothing of this
+    call is left behind."""
     import time
 
     from tqdm import tqdm
@@ -234,8 +250,9 @@ def make_shards(source: str, pattern: str, *, maxcount: int = 1000, maxsize: Opt
         # results come back in manifest order, so the shards are deterministic.
         with ThreadPoolExecutor(max(1, workers)) as pool:
             pending = []
-            for item in manifest.entries():
-                pending.append(pool.submit(prepare_entry, item, limits) if isinstance(item, Entry) else item)
+            for item in manifest.entries(options):
+                pending.append((pool.submit(prepare_entry, item, limits), item) if isinstance(item, Entry)
+                               else item)
                 if len(pending) >= 4 * max(1, workers):
                     yield from settle(pending.pop(0))
             for p in pending:
@@ -243,11 +260,12 @@ def make_shards(source: str, pattern: str, *, maxcount: int = 1000, maxsize: Opt
 
     def settle(p) -> Iterator[dict]:
         bar.update(1)
-        out = p if isinstance(p, Rejection) else p.result()
+        out = p if isinstance(p, Rejection) else p[0].result()
         if isinstance(out, Rejection):
             reject(out)
             return
         result.samples += 1
+        result.markers_placed += p[1].markers_placed
         for kind, _, data in out["media"]:
             result.media[kind] += 1
             result.media_bytes += len(data)

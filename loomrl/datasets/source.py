@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from loomrl.datasets.stream import ShardStream
 from loomrl.encoders.media import Medium, load_medium
@@ -35,8 +35,12 @@ class PromptSample:
 
 
 class PromptSource:
-    def __init__(self, stream: ShardStream, model, tokenizer, cfg: ModelConfig, media_cache: int = 4096):
+    def __init__(self, stream: ShardStream, model, tokenizer, cfg: ModelConfig, media_cache: int = 4096,
+                 render: Optional[Callable[[str], str]] = None):
+        """render: the prompt text -> the model's input text (a chat template); None: as written."""
         self.stream = stream
+        self.render = render
+        self.require_answer = False  # supervised use: a sample without an answer is skipped (and counted)
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.skipped: list[tuple[str, str]] = []
         self.served = 0
@@ -66,9 +70,13 @@ class PromptSource:
             return None
         try:
             media = [self._medium(kind, digest, data) for kind, digest, data in rec["media"]]
-            ids = self.model.prompt_ids(self.tokenizer, rec["prompt"], media)
+            text = rec["prompt"] if self.render is None else self.render(rec["prompt"])
+            ids = self.model.prompt_ids(self.tokenizer, text, media)
         except Exception as e:  # a bad sample is reported and counted, never silently lost
             self._skip(rec.get("source", rec.get("id", "?")), f"{type(e).__name__}: {e}")
+            return None
+        if self.require_answer and not rec.get("answer"):
+            self._skip(rec.get("source", rec.get("id", "?")), "the sample has no answer to learn (supervised training)")
             return None
         record = {k: rec[k] for k in ("id", "prompt", "answer", "meta") if k in rec}
         return PromptSample(record, ids, media)
@@ -94,6 +102,17 @@ class PromptSource:
                 raise RecipeError(f"data.shards: no usable sample in a whole epoch of {len(self.stream.files)} "
                                   f"shard(s): every one was skipped (the last: {where}: {why})")
         self.served += len(out)
+        return out
+
+    def take(self, limit: int) -> list[PromptSample]:
+        """Up to `limit` usable samples, until the stream ends (one pass of a validation split)."""
+        out: list[PromptSample] = []
+        for rec in self.stream:
+            if len(out) >= limit:
+                break
+            sample = self._prepare(rec)
+            if sample is not None:
+                out.append(sample)
         return out
 
     def state(self) -> dict:

@@ -86,14 +86,12 @@ def launch(recipe: R.Recipe, cli_args: list[str], out: Path) -> int:
 
 def rollout_role(recipe: R.Recipe, rank: int, ch: Channel, trainer: int = 0) -> None:
     """A rollout worker: weights in, rollouts out, until told to stop."""
-    from loomrl.platform.backbone.tokenizer import load_tokenizer
-    from loomrl.platform.backbone.vlm import build_policy
-    from loomrl.platform.parts import configure_torch, sampling_params
+    from loomrl.platform.parts import build_policy_parts, configure_torch, sampling_params
     from loomrl.platform.rollout import build_rollout_engine
     from loomrl.platform.rollout.base import Prompt
 
     configure_torch(recipe.training)
-    model = build_policy(recipe.model, load_tokenizer(recipe.model.tokenizer), recipe.training.seed)
+    _, _, model = build_policy_parts(recipe)
     engine = build_rollout_engine(recipe, model)
     params = sampling_params(recipe)
     generator = torch.Generator().manual_seed(recipe.training.seed + 1000 * rank)

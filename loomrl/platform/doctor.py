@@ -174,17 +174,12 @@ def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: 
                hf: Optional[Path] = None) -> dict:
     """Build the recipe's policy (optionally a run checkpoint or an HF folder loaded into it),
     generate rollouts for `num_prompts` prompts with `engine`, and measure every setting."""
-    from loomrl.datasets.source import PromptSource
-    from loomrl.datasets.stream import ShardStream
-    from loomrl.platform.backbone.tokenizer import load_tokenizer
-    from loomrl.platform.backbone.vlm import build_policy
-    from loomrl.platform.parts import configure_torch, shard_files, to_prompts
+    from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files, to_prompts
 
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: not one of {sorted(ENGINES)}")
     configure_torch(recipe.training)
-    tokenizer = load_tokenizer(recipe.model.tokenizer)
-    model = build_policy(recipe.model, tokenizer, recipe.training.seed)
+    tokenizer, chat, model = build_policy_parts(recipe)
     if checkpoint is not None:
         from loomrl.platform.checkpoint import load_checkpoint
 
@@ -194,8 +189,7 @@ def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: 
 
         load_policy(model, hf)
     model.eval()
-    stream = ShardStream(shard_files(recipe), shuffle_buffer=recipe.data.shuffle_buffer, seed=recipe.data.seed)
-    prompts = to_prompts(PromptSource(stream, model, tokenizer, recipe.model).next(num_prompts))
+    prompts = to_prompts(prompt_source(recipe, shard_files(recipe), model, tokenizer, chat).next(num_prompts))
     ro = recipe.rollout
     params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
     rollouts = ENGINES[engine](model, prompts, params, torch.Generator().manual_seed(recipe.training.seed))

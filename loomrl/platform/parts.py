@@ -1,16 +1,17 @@
 """A run's parts built from its recipe, shared by the trainer, the rollout workers and
-`loomrl doctor`: torch settings, the shard list (demo shards written when missing) and
-prompt conversion. Factories of the engines live beside them: `rollout.build_rollout_engine`
+`loomrl doctor`: torch settings, the shard list (demo shards written when missing), the
+policy with its tokenizer and chat format, the prompt source, and prompt conversion. Factories of the engines live beside them: `rollout.build_rollout_engine`
 and `engines.build_engine`."""
 from __future__ import annotations
 
 import logging
 import random
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from loomrl.datasets.source import PromptSample
+from loomrl.datasets.source import PromptSample, PromptSource
 from loomrl.platform import recipe as R
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 
@@ -38,6 +39,33 @@ def shard_files(recipe: R.Recipe) -> list[str]:
             raise R.RecipeError(f"data.shards: demo shards were written to {directory}/ "
                                 f"but {recipe.data.shards!r} does not match them")
     return files
+
+
+def build_policy_parts(recipe: R.Recipe, seed: Optional[int] = None):
+    """(tokenizer, chat format, policy): the policy built from the recipe's model section
+    (`seed`: its random initialisation, default training.seed), its completions ending where the
+    chat format says (the template's end-of-turn, else the tokenizer's EOS)."""
+    from loomrl.platform.backbone.chat import ChatFormat
+    from loomrl.platform.backbone.tokenizer import load_tokenizer
+    from loomrl.platform.backbone.vlm import build_policy
+
+    tokenizer = load_tokenizer(recipe.model.tokenizer)
+    chat = ChatFormat(tokenizer, recipe.data)
+    model = build_policy(recipe.model, tokenizer, recipe.training.seed if seed is None else seed)
+    if chat.stop_token_id != model.eos_token_id:
+        model.set_stop_token(chat.stop_token_id)
+    return tokenizer, chat, model
+
+
+def prompt_source(recipe: R.Recipe, files: list[str], model, tokenizer, chat, one_pass: bool = False) -> PromptSource:
+    """Prompts of `files` for the policy, rendered by the chat format. Every trainer rank reads the
+    same prompts in the same order (the trajectory source splits them). one_pass: the shards once,
+    in order (a validation split); else shuffled, epoch after epoch."""
+    from loomrl.datasets.stream import ShardStream
+
+    stream = ShardStream(files, shuffle_buffer=0 if one_pass else recipe.data.shuffle_buffer, seed=recipe.data.seed,
+                         rank=0, world_size=1, epochs=1 if one_pass else None)
+    return PromptSource(stream, model, tokenizer, recipe.model, render=chat.render)
 
 
 def configure_torch(cfg: R.TrainingConfig) -> None:

@@ -218,6 +218,30 @@ class DataConfig:
     """Seed of the epoch shuffle of prompts."""
     shuffle_buffer: int = ranged(1000, ge=0)
     """Samples held by the streaming reader's shuffle buffer (0 = shard order)."""
+    chat_template: str = "auto"
+    """How prompts are written for the model: `auto` renders each prompt as a user turn with the
+    tokenizer's chat template when it has one (completions then end at the template's end-of-turn
+    token), `none` uses the prompt text as written, or a path to a Jinja template file."""
+    system_prompt: Optional[str] = None
+    """A system turn put before every prompt (needs a chat template)."""
+
+
+@dataclass
+class ValidationConfig:
+    """Held-out prompts the policy is scored on during the run (never trained on)."""
+
+    shards: Optional[str] = None
+    """Shard pattern of the validation split (null: no validation)."""
+    every: int = ranged(10, ge=1)
+    """Validate before every N-th step (steps 0, N, 2N, ...) and once more at the end."""
+    samples: int = ranged(64, ge=1)
+    """Prompts per validation: the first N of the split, the same ones every time."""
+    temperature: float = ranged(0.0, ge=0)
+    """Sampling temperature of validation completions (0 = greedy)."""
+    max_new_tokens: Optional[int] = ranged(None, ge=1)
+    """Completion length cap (null: rollout.max_new_tokens)."""
+    batch_size: int = ranged(64, ge=1)
+    """Prompts generated together."""
 
 
 # --------------------------------------------------------------------------- rollout
@@ -368,9 +392,12 @@ class PPOConfig:
 class AlgorithmConfig:
     """The RL objective."""
 
-    name: Literal["grpo", "ppo"] = "grpo"
+    name: Literal["grpo", "ppo", "sft"] = "grpo"
     """Algorithm. `grpo`: group-relative advantages, PPO-clipped ratio (Shao et al. 2024).
-    `ppo`: a critic and GAE advantages, PPO-clipped ratio (Schulman et al. 2017); see `ppo`."""
+    `ppo`: a critic and GAE advantages, PPO-clipped ratio (Schulman et al. 2017); see `ppo`.
+    `sft`: supervised fine-tuning on the samples' answers (loss on answer tokens only, the chat
+    template's end-of-turn included), `training.prompts_per_step` samples per step; no rollouts
+    (the reward is used by validation only)."""
     reward: str = "slot_match"
     """Reward callable: a registry name (see loomrl.platform.rewards) or
     `module:function`. Called as fn(completion: str, sample: dict) -> float."""
@@ -561,6 +588,8 @@ class GoalConfig:
     """The result must reach this."""
     min_gain: float = ranged(0.3)
     """The result must exceed the baseline by this."""
+    metric: Literal["reward_mean", "val_reward_mean"] = "reward_mean"
+    """The curve checked: the training reward, or the validation reward (rows that have one)."""
 
 
 @dataclass
@@ -578,6 +607,8 @@ class Recipe:
     """KnitTrans trajectory pipeline: colocated or disaggregated roles, admission policy."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """A held-out split scored during the run (`val_*` metrics)."""
     goal: Optional[GoalConfig] = None
     """If set, the summary checks the reward curve and `loomrl run` exits 3 when it misses."""
 
@@ -958,6 +989,21 @@ def validate(r: Recipe) -> None:
                           f"({batch} trajectories) do not split into {r.training.mini_batches} "
                           f"mini-batches of whole groups")
     check_pattern(r.data.shards, "data.shards")
+    if r.validation.shards is not None:
+        check_pattern(r.validation.shards, "validation.shards")
+    if r.goal is not None and r.goal.metric.startswith("val_") and r.validation.shards is None:
+        raise RecipeError(f"goal.metric: {r.goal.metric} needs a validation split (validation.shards)")
+    if r.algorithm.name == "sft":
+        if r.pipeline.mode != "colocated":
+            raise RecipeError("pipeline.mode: algorithm.name=sft has no rollouts to disaggregate; use colocated")
+        if t.warmup.steps:
+            raise RecipeError("training.warmup.steps: algorithm.name=sft is the supervised stage itself; "
+                              "set its steps with training.steps")
+        if r.algorithm.kl_coef:
+            raise RecipeError("algorithm.kl_coef: the KL penalty is an RL term; algorithm.name=sft has none")
+        if r.goal is not None and r.goal.metric == "reward_mean":
+            raise RecipeError("goal.metric: algorithm.name=sft has no training reward; check val_reward_mean "
+                              "(with validation.shards)")
     resolve_callable(r.algorithm.reward)
     validate_algorithm(r.algorithm)
 
@@ -970,6 +1016,10 @@ def file_problems(r: Recipe) -> list[str]:
     if r.data.demo is None and not expand_pattern(r.data.shards, "data.shards"):
         problems.append(f"data.shards: no files match {_show(r.data.shards)} (and data.demo is null, "
                         f"so none will be generated)")
+    if r.validation.shards is not None and not expand_pattern(r.validation.shards, "validation.shards"):
+        problems.append(f"validation.shards: no files match {_show(r.validation.shards)}")
+    if r.data.chat_template not in ("auto", "none") and not _is_file(r.data.chat_template):
+        problems.append(f"data.chat_template: {_show(r.data.chat_template)} is not 'auto', 'none' nor a file")
     if r.model.tokenizer != "demo" and not _is_dir(r.model.tokenizer):
         problems.append(f"model.tokenizer: {_show(r.model.tokenizer)} is not 'demo' nor a tokenizer folder")
     if r.model.init_from is not None and not _is_file(str(Path(r.model.init_from) / "config.json")):

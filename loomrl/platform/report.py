@@ -1,4 +1,6 @@
-"""`loomrl report DIR`: DIR/report.png with reward, loss and throughput curves."""
+"""`loomrl report DIR`: DIR/report.png with reward (training and validation), loss and
+throughput curves. A supervised run (`algorithm.name: sft`) has no training reward: its reward
+panel shows the validation reward alone."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,7 +43,7 @@ def write_report(run_dir: Path) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     panels = [
         (axes[0, 0], "reward_mean", "reward (mean per step)"),
-        (axes[0, 1], "loss", "policy loss"),
+        (axes[0, 1], "loss", "loss"),
         (axes[1, 0], "tokens_per_s", "rollout throughput (tokens/s)"),
         (axes[1, 1], None, "time per step (s)"),
     ]
@@ -54,18 +56,23 @@ def write_report(run_dir: Path) -> Path:
                 if xs:
                     ax.plot(xs, vals, label=k.replace("_s", ""))
             ax.legend()
-        elif _series(rows, key)[0]:
+        elif _series(rows, key)[0] or (key == "reward_mean" and _series(rows, "val_reward_mean")[0]):
             xs, vals = _series(rows, key)
-            ax.plot(xs, vals, alpha=0.35, label="per step")
-            ax.plot(xs, _smooth(vals), label="10-step mean")
+            if xs:
+                ax.plot(xs, vals, alpha=0.35, label="per step")
+                ax.plot(xs, _smooth(vals), label="10-step mean")
+            if key == "reward_mean":  # the held-out split, where the run validates
+                vx, vv = _series(rows, "val_reward_mean")
+                if vx:
+                    ax.plot(vx, vv, "o-", label="validation")
             ax.legend()
         else:
             ax.text(0.5, 0.5, f"{key}: not logged by this run", ha="center", transform=ax.transAxes)
         ax.set_title(title)
-        ax.set_xlabel("RL step")
+        ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     warm = run_dir / "warmup.jsonl"
-    subtitle = f"{run_dir.name}: {len(rows)} RL steps"
+    subtitle = f"{run_dir.name}: {len(rows)} steps"
     if warm.is_file():
         subtitle += f" after {len(read_metrics(warm))} warm-up steps"
     fig.suptitle(subtitle)

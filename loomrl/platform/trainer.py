@@ -2,13 +2,18 @@
 algorithm. It owns the run's state and hands work to its parts, with a fixed lifecycle:
 
     trainer = Trainer(recipe, out)
-    trainer.setup()       torch settings, tokenizer, policy, prompts, rewards, warm-up (SFT)
-                          or a checkpoint, reference model, critic, training engine, and the
-                          trajectory source (colocated rollouts or rollout workers)
-    trainer.train()       RL steps until training.steps (or --max-steps), checkpoints
-      step(s)               admitted mini-batches from the source -> layout -> old / reference
+    trainer.setup()       torch settings, tokenizer and chat format, policy, prompts, validation
+                          split, rewards, warm-up (SFT) or a checkpoint, reference model, critic,
+                          training engine, and the trajectory source (colocated rollouts or
+                          rollout workers)
+    trainer.train()       steps until training.steps (or --max-steps), checkpoints
+      validate()            every validation.every steps and at the end: greedy completions of
+                            the held-out prompts, scored by the run's rewards (`val_*`)
+      step(s)               RL: admitted mini-batches from the source -> layout -> old / reference
                             log-probs, values -> advantages -> the engine's optimizer steps
                             (weights to the source after each) -> the step's metrics row
+                            SFT (`algorithm.name: sft`): samples with answers -> one optimizer
+                            step on the answer tokens (the warm-up before RL runs this code too)
       save(s)               atomic checkpoint of every part's state
     trainer.close()       the source (rollout engine, workers), logs
 
@@ -80,16 +85,28 @@ def rl_lr(cfg: R.TrainingConfig, step: int) -> float:
     return cfg.lr * min(1.0, (step + 1) / cfg.lr_warmup_steps)
 
 
-def goal_check(rows: list[dict], goal: Optional[R.GoalConfig]) -> tuple[Optional[bool], str]:
-    if goal is None or not rows:
+def goal_check(rows: list[dict], goal: Optional[R.GoalConfig],
+               validations: Optional[list[dict]] = None) -> tuple[Optional[bool], str]:
+    """The goal on the training reward (mean of the first / last N steps), or on the validation
+    reward (`goal.metric: val_reward_mean`: the first validation, before training, against the last,
+    after it)."""
+    if goal is None:
         return None, ""
-    first = sum(r["reward_mean"] for r in rows[:goal.first_steps]) / min(goal.first_steps, len(rows))
-    last_rows = rows[-goal.last_steps:]
-    last = sum(r["reward_mean"] for r in last_rows) / len(last_rows)
+    if goal.metric == "val_reward_mean":
+        if not validations:
+            return None, ""
+        first, last = validations[0]["val_reward_mean"], validations[-1]["val_reward_mean"]
+        what = f"validation reward: step {validations[0]['step']} {first:.3f} -> step {validations[-1]['step']}"
+    else:
+        if not rows:
+            return None, ""
+        first = sum(r["reward_mean"] for r in rows[:goal.first_steps]) / min(goal.first_steps, len(rows))
+        last_rows = rows[-goal.last_steps:]
+        last = sum(r["reward_mean"] for r in last_rows) / len(last_rows)
+        what = f"reward: first {goal.first_steps} RL steps {first:.3f} -> last {goal.last_steps}"
     ok = last >= goal.min_final and last - first >= goal.min_gain
-    text = (f"reward: first {goal.first_steps} RL steps {first:.3f} -> last {goal.last_steps} {last:.3f} "
-            f"(gain {last - first:+.3f}); goal: last >= {goal.min_final} and gain >= {goal.min_gain}: "
-            + ("MET" if ok else "NOT MET"))
+    text = (f"{what} {last:.3f} (gain {last - first:+.3f}); goal: last >= {goal.min_final} and gain >= "
+            f"{goal.min_gain}: " + ("MET" if ok else "NOT MET"))
     return ok, text
 
 
@@ -133,30 +150,36 @@ class Trainer:
         self.source = None
         self.log = None
         self.stop = StopRequest()  # SIGINT/SIGTERM: finish the step, checkpoint, stop
+        self.sft = recipe.algorithm.name == "sft"
+        self.val_samples: list = []
+        self.validations: list[dict] = []  # {"step", "val_*"}: every validation of this run, in order
 
     # ------------------------------------------------------------------ set-up
 
     def setup(self) -> None:
-        from loomrl.datasets.source import PromptSource
-        from loomrl.datasets.stream import ShardStream
-        from loomrl.platform.backbone.tokenizer import load_tokenizer
         from loomrl.platform.backbone.vlm import build_policy
         from loomrl.platform.engines import build_engine
+        from loomrl.platform.parts import build_policy_parts, prompt_source
         from loomrl.platform.rewards.sources import build_sources
 
         r, out = self.recipe, self.out
         self.t0 = time.perf_counter()
         configure_torch(r.training)
         files = shard_files(r)
-        self.tokenizer = load_tokenizer(r.model.tokenizer)
-        self.model = model = build_policy(r.model, self.tokenizer, r.training.seed)
-        # every trainer rank reads the same prompts in the same order (the source splits them)
-        stream = ShardStream(files, shuffle_buffer=r.data.shuffle_buffer, seed=r.data.seed, rank=0, world_size=1)
-        self.prompts = PromptSource(stream, model, self.tokenizer, r.model)
+        self.tokenizer, self.chat, self.model = build_policy_parts(r)
+        model = self.model
+        self.prompts = prompt_source(r, files, model, self.tokenizer, self.chat)
+        self.prompts.require_answer = self.sft
         self.reward_fn = build_sources(r.algorithm, next(model.parameters()).device)
+        self.val_samples = self.validation_split()
         n_params = sum(p.numel() for p in model.parameters())
-        log.info("[run] %s: %d shard(s), model %.2fM params, %d warm-up + %d RL steps, %s -> %s", r.name,
-                 len(files), n_params / 1e6, r.training.warmup.steps, r.training.steps, r.pipeline.mode, out)
+        stages = (f"{r.training.steps} SFT steps" if self.sft
+                  else f"{r.training.warmup.steps} warm-up + {r.training.steps} RL steps")
+        log.info("[run] %s: %d shard(s), model %.2fM params, %s, %s, %s -> %s", r.name, len(files), n_params / 1e6,
+                 stages, self.chat.describe(), r.pipeline.mode, out)
+        if self.val_samples:
+            log.info("[run] validation: %d held-out prompt(s) from %s, every %d steps and at the end",
+                     len(self.val_samples), r.validation.shards, r.validation.every)
         self.progress = r.logging.progress and sys.stderr.isatty()
 
         ckpt_state = engine_state = None
@@ -175,7 +198,7 @@ class Trainer:
         if warmup_from is not None and warmup_from < r.training.warmup.steps:
             self.warmup(warmup_from, ckpt_state if self.resume_from is not None else None, engine_state)
 
-        if r.algorithm.kl_coef > 0:
+        if r.algorithm.kl_coef > 0 and not self.sft:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if r.algorithm.name == "ppo":
             ppo = r.algorithm.ppo
@@ -193,7 +216,7 @@ class Trainer:
         params = [p for p in model.parameters() if p.requires_grad]
         params += list(self.value_head.parameters()) if self.value_head is not None else []
         self.engine = build_engine(r, model, params)
-        self.source = self.build_source()
+        self.source = NoRollouts() if self.sft else self.build_source()
         if ckpt_state is not None and warmup_from is None:
             self.load_state_dict(ckpt_state, engine_state)
         self.log = MetricsLog(out, "metrics.jsonl", r.logging.tensorboard) if self.writer else NoLog()
@@ -241,23 +264,107 @@ class Trainer:
         wlog = (MetricsLog(self.out, "warmup.jsonl", r.logging.tensorboard, prefix="warmup/") if self.writer
                 else NoLog())
         bar = tqdm(range(start, w.steps), desc="warm-up (SFT)", disable=not self.progress, dynamic_ncols=True)
+        self.prompts.require_answer = w.target == "answer"
         try:
             with self.stop:
                 for step in bar:
-                    trajs = []
-                    for s in self.prompts.next(w.batch_size):
-                        text = (s.record["answer"] if w.target == "answer"
-                                else format_only_answer(s.record["meta"], rng))
-                        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [model.eos_token_id]
-                        trajs.append(Trajectory(s.id, 0, s.ids, ids, s.media, [0.0] * len(ids), 0.0, 0))
-                    mbs = micro_batches(trajs, model.pad_token_id, r.training.micro_batch_size)
-                    stats = engine.train_mini_batch(mbs, sft_loss)
+                    samples = self.prompts.next(w.batch_size)
+                    targets = [s.record["answer"] if w.target == "answer" else format_only_answer(s.record["meta"], rng)
+                               for s in samples]
+                    stats = engine.train_mini_batch(self.sft_batch(samples, targets), sft_loss)
                     wlog.log({"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"]})
                     bar.set_postfix(loss=f"{stats['loss']:.3f}")
                     if self.stop.requested:
                         raise Interrupted(step + 1, self.save_warmup(step + 1, engine, rng), "warm-up")
         finally:
             wlog.close()
+            self.prompts.require_answer = self.sft
+
+    def sft_batch(self, samples: list, targets: list[str]) -> list[MicroBatch]:
+        """Micro-batches teaching each sample's target text, ended by the stop token (the chat
+        template's end-of-turn, else EOS); the loss covers only these tokens, not the prompt."""
+        model, trajs = self.model, []
+        for s, text in zip(samples, targets):
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [model.eos_token_id]
+            trajs.append(Trajectory(s.id, 0, s.ids, ids, s.media, [0.0] * len(ids), 0.0, 0))
+        return micro_batches(trajs, model.pad_token_id, self.recipe.training.micro_batch_size)
+
+    def sft_step(self, step: int) -> dict:
+        """One supervised step (`algorithm.name: sft`): training.prompts_per_step samples with answers,
+        one optimizer step of the run's engine on their answer tokens."""
+        tr = self.recipe.training
+        phases = Phases()
+        t_step = time.perf_counter()
+        faults.current_step = step
+        if tr.lr_warmup_steps:
+            self.engine.set_lr(rl_lr(tr, step))
+        with phases("admit"):
+            samples = self.prompts.next(tr.prompts_per_step)
+            mbs = self.sft_batch(samples, [s.record["answer"] for s in samples])
+        with phases("train"):
+            stats = self.engine.train_mini_batch(mbs, sft_loss)
+            self.version += 1
+        with phases("sync"):
+            self.sync_policy()
+        tokens = sum(int(mb.loss_mask.sum()) for mb in mbs)
+        return {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"], "samples": len(samples),
+                "answer_tokens": tokens, **{f"{name}_s": v for name, v in phases.seconds.items()},
+                "step_s": time.perf_counter() - t_step, "policy_version": self.version}
+
+    # ------------------------------------------------------------------ validation
+
+    def validation_split(self) -> list:
+        """The held-out prompts (validation.shards): the first validation.samples usable ones, in
+        shard order, the same at every validation."""
+        from loomrl.platform.parts import prompt_source
+
+        r = self.recipe
+        if r.validation.shards is None:
+            return []
+        files = R.expand_pattern(r.validation.shards, "validation.shards")
+        if not files:
+            raise R.RecipeError(f"validation.shards: no files match {r.validation.shards!r}")
+        source = prompt_source(r, files, self.model, self.tokenizer, self.chat, one_pass=True)
+        samples = source.take(r.validation.samples)
+        if not samples:
+            raise R.RecipeError(f"validation.shards: no usable sample in {len(files)} shard(s) "
+                                f"({len(source.skipped)} skipped, see the warnings above)")
+        return samples
+
+    @torch.no_grad()
+    def validate(self, step: int) -> dict:
+        """Completions of the held-out prompts by the current policy (the built-in engine on the
+        trainer's weights, greedy unless validation.temperature > 0), scored by the run's rewards.
+        Rank 0 alone runs it (other ranks go on to the next step's collectives)."""
+        from loomrl.platform.parts import to_prompts
+        from loomrl.platform.rewards.sources import score
+        from loomrl.platform.rollout.base import SamplingParams
+        from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
+
+        v, ro = self.recipe.validation, self.recipe.rollout
+        t0 = time.perf_counter()
+        engine = TorchRolloutEngine(self.model, None)
+        params = SamplingParams(n=1, temperature=v.temperature, top_p=ro.top_p if v.temperature > 0 else 1.0,
+                                max_new_tokens=v.max_new_tokens or ro.max_new_tokens)
+        generator = torch.Generator().manual_seed(self.recipe.training.seed + 7919)  # the same draws every time
+        texts, lengths, stops = [], [], 0
+        for i in range(0, len(self.val_samples), v.batch_size):
+            chunk = self.val_samples[i:i + v.batch_size]
+            result = engine.generate(to_prompts(chunk), params, generator)
+            for rollout in result.rollouts:
+                texts.append(self.tokenizer.decode(rollout.completion_ids, skip_special_tokens=True))
+                lengths.append(len(rollout.completion_ids))
+                stops += rollout.finish_reason == "stop"
+        totals, by_source = score(self.reward_fn, texts, [s.record for s in self.val_samples])
+        n = len(texts)
+        out = {"val_reward_mean": sum(totals) / n, "val_response_len": sum(lengths) / n, "val_stop_rate": stops / n}
+        if len(by_source) > 1:
+            out.update({f"val_reward_{name}_mean": sum(xs) / n for name, xs in by_source.items()})
+        out["val_s"] = time.perf_counter() - t0
+        self.validations.append({"step": step, **out})
+        log.info("[val] step %d: reward %.3f on %d held-out prompts, %.1f tokens/response (%.1fs)", step,
+                 out["val_reward_mean"], n, out["val_response_len"], out["val_s"])
+        return out
 
     def save_warmup(self, step: int, engine, rng) -> Path:
         """A checkpoint inside the warm-up: the policy, the warm-up optimizer, the data position."""
@@ -310,6 +417,8 @@ class Trainer:
             load_exported(self.model, self.engine.export_weights())
 
     def step(self, step: int) -> dict:
+        if self.sft:
+            return self.sft_step(step)
         from loomrl.encoders.cache import SharedEncodings
 
         r, a, tr = self.recipe, self.recipe.algorithm, self.recipe.training
@@ -456,23 +565,18 @@ class Trainer:
                    dynamic_ncols=True)
         stop = self.stop
         error = None
+        validating = bool(self.val_samples) and self.writer
         # the handlers stay in place while the run settles: a scheduler's (or torchrun's) SIGTERM then
         # finds the final checkpoint being written instead of killing the process half way
         with stop:
             try:
                 for step in bar:
-                    row = self.step(step)
+                    val = self.validate(step) if validating and step % r.validation.every == 0 else {}
+                    row = {**self.step(step), **val}
                     self.step_count = step + 1
                     self.rows.append(row)
                     self.log.log(row)
-                    recent = self.rows[-10:]
-                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}",
-                                    avg10=f"{sum(x['reward_mean'] for x in recent) / len(recent):.3f}")
-                    if not self.progress and self.writer and (step % 10 == 0 or step == end - 1):
-                        extra = (f"  staleness {row['staleness_mean']:.2f} (max {row['staleness_max']})"
-                                 if r.pipeline.mode == "disaggregated" else "")
-                        log.info("[step %4d] reward %.3f  loss %+.4f  %.0f tok/s  step %.2fs%s", step,
-                                 row["reward_mean"], row["loss"], row.get("tokens_per_s", 0.0), row["step_s"], extra)
+                    self.show(bar, row, end)
                     if stop.requested:
                         raise Interrupted(step + 1, self.save())
                     if ck.every and self.step_count % ck.every == 0 and self.step_count < end:
@@ -486,15 +590,34 @@ class Trainer:
                 self.source.finish(error)
                 path = self.save()
         finished = self.step_count == r.training.steps and error is None
-        goal_met, goal_text = goal_check(self.rows, r.goal) if finished else (None, "")
+        if finished and validating and not (self.validations and self.validations[-1]["step"] == self.step_count):
+            self.validate(self.step_count)  # the policy the run ends with
+        goal_met, goal_text = goal_check(self.rows, r.goal, self.validations) if finished else (None, "")
         wall = time.perf_counter() - self.t0
         summary = self.summarize(wall, path, goal_text, error)
         if self.writer:
             (self.out / "summary.json").write_text(json.dumps({
                 "steps": self.step_count, "wall_s": wall, "goal_met": goal_met, "goal": goal_text, "error": error,
                 "skipped_samples": self.prompts.state()["skipped"], "trajectories": self.counts(),
-                "checkpoint": str(path), **self.source.report()}, indent=1))
+                "validation": self.validations, "checkpoint": str(path), **self.source.report()}, indent=1))
         return RunResult(self.out, self.rows, goal_met, summary, error)
+
+    def show(self, bar, row: dict, end: int) -> None:
+        """The progress bar's figures, or (without a terminal) a log line every 10 steps."""
+        step, key = row["step"], "loss" if self.sft else "reward_mean"
+        recent = self.rows[-10:]
+        bar.set_postfix({key.removesuffix("_mean"): f"{row[key]:.3f}",
+                         "avg10": f"{sum(x[key] for x in recent) / len(recent):.3f}"})
+        if self.progress or not self.writer or not (step % 10 == 0 or step == end - 1):
+            return
+        if self.sft:
+            log.info("[step %4d] loss %.4f  grad norm %.3f  step %.2fs", step, row["loss"], row["grad_norm"],
+                     row["step_s"])
+            return
+        extra = (f"  staleness {row['staleness_mean']:.2f} (max {row['staleness_max']})"
+                 if self.recipe.pipeline.mode == "disaggregated" else "")
+        log.info("[step %4d] reward %.3f  loss %+.4f  %.0f tok/s  step %.2fs%s", step, row["reward_mean"],
+                 row["loss"], row.get("tokens_per_s", 0.0), row["step_s"], extra)
 
     def run(self) -> RunResult:
         """setup -> train -> close."""
@@ -555,6 +678,8 @@ class Trainer:
                 self.critic_engine.load_state_dict(engine_state["critic"])
         # the steps after the checkpoint will be run again: drop their rows
         self.rows = self.rows_before(self.out / "metrics.jsonl", self.step_count)
+        self.validations = [{"step": row["step"], **{k: v for k, v in row.items() if k.startswith("val_")}}
+                            for row in self.rows if "val_reward_mean" in row]
         log.info("[run] resumed from %s at RL step %d", self.resume_from, self.step_count)
 
     def rows_before(self, path: Path, step: int) -> list[dict]:
@@ -573,8 +698,11 @@ class Trainer:
         r, rows = self.recipe, self.rows
         lines = [f"== loomrl run '{r.name}' ({r.pipeline.mode}, {r.rollout.engine} rollouts, "
                  f"{r.training.engine} engine x {self.world}) done in {wall:.0f}s =="]
-        if rows:
-            mean = lambda k: sum(x.get(k, 0.0) for x in rows) / len(rows)  # noqa: E731
+        mean = lambda k: sum(x.get(k, 0.0) for x in rows) / len(rows)  # noqa: E731
+        if rows and self.sft:
+            lines.append(f"SFT steps       {len(rows)}  ({mean('step_s'):.2f}s/step), loss first {rows[0]['loss']:.4f}  "
+                         f"last {rows[-1]['loss']:.4f}, {mean('answer_tokens'):.0f} answer tokens/step")
+        elif rows:
             lines += [
                 f"RL steps        {len(rows)}  ({mean('step_s'):.2f}s/step: rollout {mean('rollout_s'):.2f}s, "
                 f"train {mean('train_s'):.2f}s)",
@@ -589,14 +717,19 @@ class Trainer:
                 lines.append(f"rollout ranks   {rows[-1]['rollout_ranks']}, each its share of the prompts: "
                              f"{mean('rollout_s'):.2f}s per step (the ranks' generation summed: "
                              f"{mean('rollout_rank_sum_s'):.2f}s)")
+        if self.validations:
+            shown = sorted({0, *range(max(0, len(self.validations) - 3), len(self.validations))})
+            lines.append("validation      reward " + "  ".join(
+                f"step {self.validations[i]['step']}: {self.validations[i]['val_reward_mean']:.3f}" for i in shown))
         if goal_text:
             lines.append(goal_text)
         skipped = self.prompts.state()["skipped"]
         if skipped:
             lines.append(f"skipped samples {skipped} (see warnings above)")
         c = self.counts()
-        lines.append(f"trajectories    generated {c['generated']} = trained {c['trained']} + dropped {c['dropped']} "
-                     f"{c['dropped_by_reason'] or ''}+ pending {c['pending']}")
+        if not self.sft:
+            lines.append(f"trajectories    generated {c['generated']} = trained {c['trained']} + dropped "
+                         f"{c['dropped']} {c['dropped_by_reason'] or ''}+ pending {c['pending']}")
         lines += self.source.summary_lines()
         lines += [f"outputs         {self.out}/metrics.jsonl, tensorboard/, {ckpt.relative_to(self.out)}",
                   f"plot            loomrl report {self.out}"]
@@ -606,6 +739,36 @@ class Trainer:
             lines.append(f"stopped at RL step {self.step_count} of {r.training.steps} (--max-steps); "
                          f"continue with --resume")
         return "\n".join(lines)
+
+
+class NoRollouts:
+    """The trajectory source of a supervised run: no rollouts, nothing to account for."""
+
+    sync_every_update = False
+
+    def weights_updated(self, version: int) -> None:
+        pass
+
+    def accounting(self) -> dict:
+        return {"generated": 0, "trained": 0, "dropped": 0, "pending": 0, "dropped_by_reason": {}}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def finish(self, error: Optional[str]) -> None:
+        pass
+
+    def report(self) -> dict:
+        return {}
+
+    def summary_lines(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
 
 
 class NoLog:

@@ -106,6 +106,15 @@ class VLM(nn.Module):
             self.audio_tower.eval()
         return self
 
+    def set_stop_token(self, token_id: int) -> None:
+        """Completions end at `token_id` (a chat template's end-of-turn) instead of the tokenizer's
+        EOS. Padding is then never generated, even where it doubles as that EOS (Qwen's base
+        tokenizers), in rollouts and the trainer's log-probs alike."""
+        banned = set(self.banned_token_ids.tolist()) | ({self.pad_token_id} - {None})
+        banned.discard(token_id)
+        self.eos_token_id = token_id
+        self.banned_token_ids = torch.tensor(sorted(banned), device=self.banned_token_ids.device)
+
     # ------------------------------------------------------------------ inputs
 
     def media_tokens(self, m: Medium) -> int:

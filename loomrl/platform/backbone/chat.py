@@ -1,0 +1,104 @@
+"""Chat templates: how a sample's prompt becomes the text an Instruct checkpoint expects.
+
+A shard prompt is plain text with loomrl's media markers (`<image>`, `<audio>`). With a
+chat template (`data.chat_template`: `auto` takes the tokenizer's own, a path names a
+Jinja file, `none` turns it off), the prompt is rendered as one user turn, after an
+optional system turn (`data.system_prompt`), with the generation prompt appended:
+
+    <|im_start|>system ...<|im_end|>
+    <|im_start|>user
+    <image>What animal is this?<|im_end|>
+    <|im_start|>assistant
+
+The markers pass through the template as text and are expanded afterwards
+(`VLM.prompt_ids`: `<|vision_start|>`, the placeholders, `<|vision_end|>`), which is
+what Qwen-VL's own processor writes for an image part placed before the text.
+
+A completion ends at the template's end-of-turn token (`<|im_end|>` for Qwen), found by
+rendering a two-turn conversation and reading the first special token after the
+assistant's text; SFT targets end with it too, so what SFT teaches is what rollouts stop at.
+Without a template, prompts are used as written and completions end at the tokenizer's EOS.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from loomrl.platform.recipe import DataConfig, RecipeError
+
+log = logging.getLogger("loomrl")
+
+MAX_TEMPLATE_BYTES = 1 << 20
+
+
+class ChatFormat:
+    """Renders prompts with a chat template (or passes them through) and names the stop token."""
+
+    def __init__(self, tokenizer, data: DataConfig):
+        self.tokenizer = tokenizer
+        self.system_prompt = data.system_prompt
+        self.template = self._template(tokenizer, data.chat_template)
+        if self.template is None and self.system_prompt:
+            raise RecipeError("data.system_prompt: needs a chat template to be placed in, but data.chat_template is "
+                              f"{data.chat_template!r} and the tokenizer has none")
+        self.stop_token_id = tokenizer.eos_token_id if self.template is None else self._end_of_turn()
+
+    @staticmethod
+    def _template(tokenizer, spec: str) -> Optional[str]:
+        if spec == "none":
+            return None
+        if spec == "auto":
+            return getattr(tokenizer, "chat_template", None) or None
+        path = Path(spec)
+        try:
+            if not path.is_file():
+                raise RecipeError(f"data.chat_template: {spec!r} is not 'auto', 'none' nor a template file")
+            if path.stat().st_size > MAX_TEMPLATE_BYTES:
+                raise RecipeError(f"data.chat_template: {spec} is over {MAX_TEMPLATE_BYTES} bytes")
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise RecipeError(f"data.chat_template: cannot read {spec}: {e}") from None
+
+    def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except Exception as e:  # noqa: BLE001 - a Jinja template runs arbitrary logic: any failure is the template's
+            raise RecipeError(f"data.chat_template: the template fails to render a conversation: "
+                              f"{type(e).__name__}: {e}") from None
+
+    def _messages(self, text: str) -> list[dict]:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + [{"role": "user", "content": text}]
+
+    def _end_of_turn(self) -> int:
+        """The first special token the template writes after an assistant turn's text."""
+        reply = "loomrl-reply-probe"
+        text = self._apply(self._messages("question") + [{"role": "assistant", "content": reply}], False)
+        if reply not in text:
+            raise RecipeError("data.chat_template: the template does not write the assistant's reply")
+        after = self.tokenizer(text[text.rindex(reply) + len(reply):], add_special_tokens=False)["input_ids"]
+        special = set(self.tokenizer.all_special_ids) | {
+            i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        special.discard(self.tokenizer.unk_token_id)  # text the vocabulary lacks, not a marker
+        for i in after:
+            if i in special:
+                return i
+        if self.tokenizer.eos_token_id is None:
+            raise RecipeError("data.chat_template: no special token ends an assistant turn, and the tokenizer "
+                              "has no EOS token to stop completions at")
+        log.warning("[data] the chat template ends an assistant turn with no special token; completions stop at "
+                    "the tokenizer's EOS (%s)", self.tokenizer.eos_token)
+        return self.tokenizer.eos_token_id
+
+    def render(self, prompt: str) -> str:
+        """The model's input text for one prompt (markers kept for `VLM.prompt_ids`)."""
+        if self.template is None:
+            return prompt
+        return self._apply(self._messages(prompt), True)
+
+    def describe(self) -> str:
+        if self.template is None:
+            return "no chat template (prompts as written)"
+        return f"chat template, completions end at {self.tokenizer.convert_ids_to_tokens(self.stop_token_id)!r}"

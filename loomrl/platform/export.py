@@ -1,0 +1,330 @@
+"""`loomrl export`: a run's checkpoint as a Hugging Face model folder that transformers
+loads (`from_pretrained`) and vLLM serves (`vllm serve DIR`).
+
+A checkpoint (`RUN/checkpoints/step-N/`) holds loomrl's own weights; what they mean (sizes,
+tokenizer, the checkpoint the policy started from) is in the run's `RUN/recipe.yaml`. The
+export rebuilds the policy exactly as the trainer did (`parts.build_policy_parts`: tokenizer,
+chat format, `build_policy`), loads the checkpoint into it (`load_checkpoint`: the manifest's
+sha256 sums verified, nothing unpickled) and writes, with `hf_io.export_policy`:
+
+    config.json + model*.safetensors   the HF model of one modality: image -> Qwen2-VL /
+                                       Qwen2.5-VL, audio -> Qwen2-Audio, text -> Qwen2ForCausalLM
+    tokenizer files                    `save_pretrained` of the run's tokenizer, with the chat
+                                       template the run rendered prompts with (a file named by
+                                       `data.chat_template` included)
+    preprocessor_config.json           image / audio only: init_from's, with the settings that
+                                       decide what the policy saw (image sizes, patch and merge
+                                       sizes, CLIP mean/std; mel bins, rate, clip length) set to
+                                       the recipe's; written from the recipe when init_from has none
+    generation_config.json             eos = where the run's completions ended (the chat
+                                       template's end-of-turn, else the tokenizer's EOS), pad
+
+The modality is init_from's (qwen2_vl / qwen2_5_vl -> image, qwen2_audio -> audio, qwen2 ->
+text); a policy with no init_from (the demo: both towers) needs it named. config.json gets the
+token ids a server needs beyond `export_policy`'s (vision start/end, video, eos, pad).
+
+Guarantees: the folder appears whole or not at all (filled as a hidden folder beside `out`,
+fsynced, renamed into place); an existing non-empty `out` is refused unless `overwrite`, and an
+`out` that holds the checkpoint is always refused; every problem with the run folder or the
+checkpoint is a ValueError (an OSError for the file system) naming the file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from loomrl.platform import recipe as R
+
+log = logging.getLogger("loomrl")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MODALITIES = ("image", "audio", "text")
+MODALITY_OF = {"qwen2_vl": "image", "qwen2_5_vl": "image", "qwen2_audio": "audio", "qwen2": "text"}
+"""The modality of an init_from checkpoint, by its config.json's model_type."""
+NO_REWARDS = ["algorithm.reward=slot_match", "algorithm.rewards=[]"]
+"""Overrides that set a run's reward sources aside when its recipe is read for an export."""
+_STORED = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint folder (`step-N`), or a run folder: its newest checkpoint."""
+    from loomrl.platform.checkpoint import latest_checkpoint
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a checkpoint folder (RUN/checkpoints/step-N) nor a run folder")
+    if (path / "checkpoints").is_dir() or (path / "recipe.yaml").is_file():  # a run folder
+        newest = latest_checkpoint(path / "checkpoints")
+        if newest is None:
+            raise ValueError(f"{path / 'checkpoints'}: no checkpoint (step-N folder) to export")
+        return newest
+    return path
+
+
+def run_recipe(checkpoint: Path) -> R.Recipe:
+    """The recipe of the run a checkpoint belongs to (RUN/recipe.yaml beside RUN/checkpoints/).
+    Only what builds the policy must be here: the shards need not be, and the reward sources
+    (code or reward models the export never calls) are set aside before validation, so a reward
+    module that was importable only where the run ran does not block its export."""
+    file = checkpoint.resolve().parent.parent / "recipe.yaml"
+    if not file.is_file():
+        raise ValueError(f"{file}: not found; a checkpoint is exported from its run folder "
+                         f"(RUN/checkpoints/step-N beside RUN/recipe.yaml, which says what the weights are)")
+    try:
+        recipe = R.load_recipe(file, NO_REWARDS, files=False)
+    except R.RecipeError as e:
+        raise ValueError(str(e) if str(file) in str(e) else f"{file}: {e}") from None
+    problems = [p for p in R.file_problems(recipe) if p.startswith("model.")]  # tokenizer, init_from
+    if problems:
+        raise ValueError(f"{file}: {problems[0]}")
+    return recipe
+
+
+def choose_modality(model, init_from: Optional[str], modality: Optional[str]) -> str:
+    """The HF model to write: `modality` if given (the policy must read that medium), else
+    init_from's; a policy with no init_from must name it unless it reads one medium only."""
+    readable = [kind for kind, tower in (("image", "visual"), ("audio", "audio_tower"))
+                if getattr(model, tower, None) is not None and getattr(model, f"{kind}_token_id") is not None]
+    source = None
+    if init_from is not None:
+        source = _read_json(Path(init_from) / "config.json").get("model_type")
+    if modality is None:
+        if source is not None:
+            modality = MODALITY_OF.get(source)
+            if modality is None:
+                raise ValueError(f"{init_from}/config.json: model_type {source!r} has no export "
+                                 f"(expected one of {sorted(MODALITY_OF)})")
+        elif len(readable) == 1:
+            modality = readable[0]
+        else:
+            raise ValueError(f"the policy has no model.init_from and reads {' and '.join(readable) or 'text only'}: "
+                             f"name the model to write with --modality image|audio|text (image: Qwen2-VL, "
+                             f"audio: Qwen2-Audio, text: Qwen2ForCausalLM, the language model alone)")
+    if modality not in MODALITIES:
+        raise ValueError(f"modality {modality!r}: expected one of {', '.join(MODALITIES)}")
+    if modality != "text" and modality not in readable:
+        started = f"model.init_from is a {source} checkpoint" if source else "model.init_from is null"
+        raise ValueError(f"--modality {modality}: the policy has no {modality} tower or token ({started}); "
+                         f"it can be exported as {' or '.join(readable + ['text'])}")
+    return modality
+
+
+def export_checkpoint(checkpoint: Path, out: Path, dtype: str | torch.dtype | None = None,
+                      modality: Optional[str] = None, overwrite: bool = False) -> Path:
+    """Write the policy of `checkpoint` (a `step-N` folder, or a run folder: its newest) as a
+    Hugging Face folder `out`; returns `out`.
+
+    dtype: "float32" / "bfloat16" (None: the checkpoint's). modality: "image", "audio" or
+    "text" (None: init_from's). overwrite: replace an existing non-empty `out`."""
+    from loomrl.platform.backbone.hf_io import export_policy
+    from loomrl.platform.checkpoint import load_checkpoint
+    from loomrl.platform.parts import build_policy_parts
+
+    checkpoint, out = resolve_checkpoint(Path(checkpoint)), Path(out)
+    _check_out(out, checkpoint, overwrite)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    recipe = run_recipe(checkpoint)
+    tokenizer, chat, model = build_policy_parts(recipe)
+    load_checkpoint(checkpoint, model)  # verified against its manifest, or a ValueError naming the file
+    model.eval()
+    init_from = recipe.model.init_from
+    modality = choose_modality(model, init_from, modality)
+    dtype = dtype or _stored_dtype(checkpoint / "model.safetensors")
+
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+    _remove(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        export_policy(model, tmp, modality, dtype)
+        config = _complete_config(_read_json(tmp / "config.json"), model, modality, init_from)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if chat.template is not None:  # the template prompts were rendered with (a file's, too)
+            tokenizer.chat_template = chat.template
+        tokenizer.save_pretrained(tmp)
+        pre = preprocessor_config(recipe.model, config["model_type"], init_from)
+        if pre is not None:
+            (tmp / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+        gen = generation_config(model, tokenizer, init_from)
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        for p in tmp.iterdir():
+            _fsync(p)
+        _replace(tmp, out)
+    except BaseException:
+        _remove(tmp)
+        raise
+    params = _count_params(out)
+    log.info("[export] %s -> %s: %s, %.2fM params, %s", checkpoint.name, out, config["architectures"][0],
+             params / 1e6, str(dtype).removeprefix("torch."))
+    log.info("[export] wrote %s", ", ".join(sorted(p.name for p in out.iterdir())))
+    return out
+
+
+# --------------------------------------------------------------------------- the files beside the weights
+
+
+def _complete_config(config: dict, model, modality: str, init_from: Optional[str]) -> dict:
+    """config.json with the token ids loaders and servers read: eos / pad (bos from init_from),
+    and for Qwen2-VL the vision start / end tokens (vLLM's M-RoPE positions find images by
+    them) and init_from's video token."""
+    source = _read_json(Path(init_from) / "config.json") if init_from is not None else {}
+    ids = {"eos_token_id": model.eos_token_id, "pad_token_id": model.pad_token_id,
+           "bos_token_id": source.get("bos_token_id", source.get("text_config", {}).get("bos_token_id"))}
+    config.update({k: v for k, v in ids.items() if v is not None})
+    if modality == "image":
+        image = model.media_tokens_of["image"]
+        if len(image.before) == 1 and len(image.after) == 1:
+            config["vision_start_token_id"], config["vision_end_token_id"] = image.before[0], image.after[0]
+        if "video_token_id" in source:
+            config["video_token_id"] = source["video_token_id"]
+    return config
+
+
+def preprocessor_config(model_cfg: R.ModelConfig, model_type: str, init_from: Optional[str]) -> Optional[dict]:
+    """preprocessor_config.json for an image (Qwen2-VL family) or audio (Qwen2-Audio) model;
+    None for text. init_from's file is the base; the settings loomrl preprocessed the run's
+    media with replace its values (a server then feeds the policy what it was trained on)."""
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+        from loomrl.encoders.vision import CLIP_MEAN, CLIP_STD
+
+        v = model_cfg.vision
+        processor = "Qwen2VLProcessor" if model_type == "qwen2_vl" else "Qwen2_5_VLProcessor"
+        base = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor}
+        ours = {"do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,  # PIL bicubic
+                "do_normalize": True, "image_mean": CLIP_MEAN.tolist(), "image_std": CLIP_STD.tolist(),
+                "do_convert_rgb": True, "min_pixels": v.min_pixels, "max_pixels": v.max_pixels,
+                "size": {"shortest_edge": v.min_pixels, "longest_edge": v.max_pixels},
+                "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
+                "merge_size": v.spatial_merge_size}
+    elif model_type == "qwen2_audio":
+        from loomrl.encoders.audio import HOP, N_FFT, num_frames
+
+        a = model_cfg.audio
+        # WhisperFeatureExtractor pads / cuts to chunk_length whole seconds: the recipe's clip
+        # must be that long, in as many frames as the audio tower takes
+        seconds = int(a.clip_seconds)
+        if seconds != a.clip_seconds or seconds * a.sample_rate // HOP != num_frames(a):
+            log.warning("[export] no preprocessor_config.json: model.audio.clip_seconds=%s is not a whole "
+                        "number of seconds, which WhisperFeatureExtractor needs", a.clip_seconds)
+            return None
+        base = {"feature_extractor_type": "WhisperFeatureExtractor", "processor_class": "Qwen2AudioProcessor",
+                "padding_side": "right", "padding_value": 0.0, "return_attention_mask": True}
+        ours = {"feature_size": a.num_mel_bins, "sampling_rate": a.sample_rate, "hop_length": HOP,
+                "n_fft": N_FFT, "chunk_length": seconds, "n_samples": seconds * a.sample_rate,
+                "nb_max_frames": seconds * a.sample_rate // HOP}
+    else:
+        return None
+    if init_from is not None and (Path(init_from) / "preprocessor_config.json").is_file():
+        source = Path(init_from) / "preprocessor_config.json"
+        base = _read_json(source)
+        changed = sorted(k for k in ours if k in base and base[k] != ours[k])
+        if changed:
+            log.info("[export] preprocessor_config.json: %s of %s set to the recipe's (what the policy was "
+                     "trained on)", ", ".join(changed), source)
+    return {**base, **ours}
+
+
+def generation_config(model, tokenizer, init_from: Optional[str]) -> dict:
+    """generation_config.json: init_from's (its sampling defaults) with eos = where the run's
+    completions ended (the policy's stop token), the tokenizer's EOS and init_from's, and pad."""
+    base = {}
+    if init_from is not None and (Path(init_from) / "generation_config.json").is_file():
+        base = _read_json(Path(init_from) / "generation_config.json")
+    theirs = base.get("eos_token_id")
+    eos = list(dict.fromkeys(i for i in [model.eos_token_id, tokenizer.eos_token_id,
+                                          *(theirs if isinstance(theirs, list) else [theirs])]
+                             if isinstance(i, int)))
+    gen = {**base, "eos_token_id": eos[0] if len(eos) == 1 else eos}
+    if model.pad_token_id is not None:
+        gen["pad_token_id"] = model.pad_token_id
+    if "bos_token_id" not in gen and tokenizer.bos_token_id is not None:
+        gen["bos_token_id"] = tokenizer.bos_token_id
+    return gen
+
+
+# --------------------------------------------------------------------------- files and folders
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{file}: not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return data
+
+
+def _stored_dtype(file: Path) -> torch.dtype:
+    """The dtype most of a safetensors file's floating tensors are stored in (float32 if none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        kinds = Counter(f.get_slice(k).get_dtype() for k in f.keys())
+    stored = [k for k, _ in kinds.most_common() if k in _STORED]
+    return _STORED[stored[0]] if stored else torch.float32
+
+
+def _count_params(folder: Path) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for k in f.keys():
+                n += int(torch.Size(f.get_slice(k).get_shape()).numel())
+    return n
+
+
+def _check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
+    """Refuse an `out` that holds (or lies in) the checkpoint, and an existing non-empty one
+    unless `overwrite`."""
+    o, c = out.resolve(), checkpoint.resolve()
+    if o == c or o in c.parents or c in o.parents:
+        raise ValueError(f"--out {out}: holds or lies in the checkpoint {checkpoint}; choose a folder outside it")
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+        return
+    if not overwrite:
+        what = "a folder that is not empty" if out.is_dir() else "a file"
+        raise FileExistsError(f"{out}: already exists ({what}); choose another --out, or --overwrite it")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the filled `tmp` to `out`; an existing `out` goes only once `tmp` is in place."""
+    if out.exists() or out.is_symlink():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        _remove(old)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        _remove(old)
+    else:
+        os.replace(tmp, out)
+    _fsync(out.parent)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
