@@ -192,8 +192,8 @@ def test_paths_outside_the_manifest_folder_are_refused_before_they_are_opened(ro
     rej = rejections(out)
     assert {k: r["code"] for k, r in rej.items()} == {k: "path-outside-source" for k in
                                                       ("passwd", "dotdot", "absolute", "symlink", "clip")}
-    real_src = os.path.realpath(src)
-    assert rej["passwd"]["reason"] == (f"{passwd!r} resolves to {os.path.realpath('/etc/passwd')}, outside the manifest's folder "
+    real_src, real_passwd = os.path.realpath(src), os.path.realpath("/etc/passwd")
+    assert rej["passwd"]["reason"] == (f"{passwd!r} resolves to {real_passwd}, outside the manifest's folder "
                                        f"{real_src}; --allow-outside allows it (trusted manifests only)")
     assert f"resolves to {os.path.realpath(outside_png)}, outside" in rej["symlink"]["reason"]
     assert rej["absolute"]["file"] == str(outside_png)
@@ -291,7 +291,10 @@ def test_ambiguous_keys_and_bad_values_are_bad_lines(tmp_path, capsys):
         {"id": "empty-list", "prompt": "a", "answer": []},
         {"id": "mixed-list", "prompt": "a", "answer": ["x", 1]},
         {"id": "clash", "prompt": "a", "answer": ["x", "y"], "answers": ["z"]},
+        {"id": "nul", "prompt": "a", "image": "a\0b.png"},  # os calls raise ValueError on it, not OSError
         {"id": "ok", "prompt": "a", "image": None, "audios": [], "answer": 0},
+        '{"id": "digits", "prompt": "a", "n": 1' + "0" * 5000 + "}",  # json: ValueError, not JSONDecodeError
+        '{"id": "deep", "prompt": "a", "n": ' + "[" * 100_000 + "]" * 100_000 + "}",  # json: RecursionError
     ])
     out = tmp_path / "o"
     assert make(manifest, "--out", f"{out}/s-%d.tar") == 0
@@ -300,8 +303,12 @@ def test_ambiguous_keys_and_bad_values_are_bad_lines(tmp_path, capsys):
     assert (ok["id"], ok["prompt"], ok["answer"], ok["media"]) == ("ok", "a", "0", [])
     rej = rejections(out)
     assert {k: r["code"] for k, r in rej.items()} == {k: "bad-line" for k in
-                                                      ("both", "imgs", "bool", "empty-list", "mixed-list", "clash")}
+                                                      ("both", "imgs", "bool", "empty-list", "mixed-list", "clash",
+                                                       "nul", f"{manifest}:9", f"{manifest}:10")}
+    assert "4300 digits" in rej[f"{manifest}:9"]["reason"]
+    assert rej[f"{manifest}:10"]["reason"] == "JSON nested deeper than the limit of 64"
     assert rej["both"]["reason"] == ("keys 'prompt' and 'question' both give the prompt; keep one, "
                                      "or choose with --field prompt=KEY")
     assert "keys 'images' and 'image' both give the images" in rej["imgs"]["reason"]
     assert "already has an 'answers' key" in rej["clash"]["reason"]
+    assert rej["nul"]["reason"] == "field 'image': a file path cannot contain a NUL character"

@@ -39,7 +39,8 @@ the manifest names when its line is read; it is not a guard against files
 being swapped inside the folder while the job runs.
 
 A manifest is a .jsonl file or a folder of them (read in name order). A bad
-line becomes a `Rejection`, never an exception: the job goes on.
+line (bad JSON, over 1 MiB, nested deeper than 64, a wrong type) becomes a
+`Rejection`, never an exception: the job goes on.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ from loomrl.datasets.files import check_regular, open_regular
 MARKERS = {"<image>": "image", "<audio>": "audio"}
 _MARKER = re.compile(r"<image>|<audio>")
 MAX_LINE_BYTES = 1 << 20
+MAX_DEPTH = 64  # nesting of a line's JSON: deeper would make json.dumps of the header recurse too far
 
 # Field -> the keys it is read from, in order; `--field NAME=KEY` replaces one list.
 FIELD_KEYS: dict[str, tuple[str, ...]] = {
@@ -190,6 +192,17 @@ def outside(path: str, base: str) -> Optional[str]:
     return None if os.path.commonpath([root, real]) == root else real
 
 
+def _depth(value: object) -> int:
+    """Nesting depth of a parsed JSON value (iterative: no recursion on hostile input)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def parse_line(raw: bytes, where: str, base: str, options: ReadOptions = ReadOptions(),
                default_id: Optional[str] = None) -> Union[Entry, Rejection]:
     """One manifest line -> Entry, or a Rejection naming what is wrong with it. `base` is the
@@ -201,17 +214,22 @@ def parse_line(raw: bytes, where: str, base: str, options: ReadOptions = ReadOpt
         return bad(f"line of {len(raw)} bytes is over the limit of {MAX_LINE_BYTES}")
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError:
+        return bad(f"JSON nested deeper than the limit of {MAX_DEPTH}")
+    except ValueError as e:  # bad JSON, bad UTF-8, an integer of over 4300 digits
         return bad(f"not valid JSON ({e})")
     if not isinstance(obj, dict):
         return bad(f"a line must be a JSON object, got {type(obj).__name__}")
+    if _depth(obj) > MAX_DEPTH:
+        return bad(f"JSON nested deeper than the limit of {MAX_DEPTH}")
 
     # Each field from its one key present; two present keys of one field are ambiguous.
     values: dict[str, tuple[str, object]] = {}  # field -> (key, value)
     for name, keys in options.fields:
         present = [k for k in keys if k in obj]
         if len(present) > 1:
-            sid = obj.get("id") if isinstance(obj.get("id"), str) else None
+            sid = values.get("id", (None, None))[1]  # read first: "id" has one key
+            sid = str(sid) if isinstance(sid, (str, int)) and not isinstance(sid, bool) else default_id
             return bad(f"keys {' and '.join(repr(k) for k in present)} both give the {name}; keep one, "
                        f"or choose with --field {name}=KEY", sid)
         if present:
@@ -259,6 +277,8 @@ def parse_line(raw: bytes, where: str, base: str, options: ReadOptions = ReadOpt
             value = [value]
         if not (isinstance(value, list) and all(isinstance(p, str) and p for p in value)):
             return bad(f"field {key_of(name)} must be a file path or a list of file paths", sample_id)
+        if any("\0" in p for p in value):  # no file has such a name; os calls raise ValueError on it
+            return bad(f"field {key_of(name)}: a file path cannot contain a NUL character", sample_id)
         lists[name] = value
 
     meta = obj.pop("meta", {})

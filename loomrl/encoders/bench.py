@@ -60,8 +60,10 @@ def count_tower_inputs(model) -> dict[str, int]:
     def clips(module, args):
         counts["audio"] += args[0].shape[0]
 
-    model.visual.register_forward_pre_hook(images, with_kwargs=True)
-    model.audio_tower.register_forward_pre_hook(clips)
+    if model.visual is not None:
+        model.visual.register_forward_pre_hook(images, with_kwargs=True)
+    if model.audio_tower is not None:
+        model.audio_tower.register_forward_pre_hook(clips)
     return counts
 
 

@@ -5,12 +5,17 @@ Qwen2-VL / Qwen2.5-VL / Qwen2-Audio model. Only the tower's tensors are read
 (safetensors reads by key, so a 7B checkpoint costs the tower's bytes, not the
 model's), into transformers' own tower classes, so parameter names are the
 checkpoint's. Nothing is downloaded.
+
+Which towers a checkpoint has is its model type's (`CHECKPOINT_TOWERS`): Qwen2-VL and
+Qwen2.5-VL a vision tower, Qwen2-Audio an audio tower + projector, Qwen2 none. A policy
+started from it builds exactly those (`vision_tower_of` / `audio_tower_of`, from config.json,
+the checkpoint's own classes), so it has the checkpoint's parameters and no others.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -20,6 +25,12 @@ from torch import nn
 VISION_PREFIXES = ("visual.", "model.visual.")
 AUDIO_PREFIXES = ("audio_tower.", "model.audio_tower.")
 PROJECTOR_PREFIXES = ("multi_modal_projector.linear.", "model.multi_modal_projector.linear.")
+# model_type -> the media its towers read ("image": vision tower, "audio": audio tower + projector)
+CHECKPOINT_TOWERS: dict[str, tuple[str, ...]] = {
+    "qwen2": (), "qwen2_vl": ("image",), "qwen2_5_vl": ("image",), "qwen2_audio": ("audio",)}
+# model_type -> the vision_config model types its tower class builds (transformers 5 writes the
+# second; older configs may carry the first or none)
+VISION_KINDS = {"qwen2_vl": ("qwen2_vl", "qwen2_vl_vision"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_vision")}
 
 
 def read_config(folder: str | Path) -> dict:
@@ -76,28 +87,73 @@ def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], what: str,
     return module.to(dtype).eval()
 
 
+def checkpoint_towers(hf_config: dict, where: str = "config.json") -> tuple[str, ...]:
+    """The media a checkpoint's towers read, by its config.json: ("image",), ("audio",) or ()."""
+    model_type = hf_config.get("model_type")
+    if model_type not in CHECKPOINT_TOWERS:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: "
+                         f"{list(CHECKPOINT_TOWERS)})")
+    return CHECKPOINT_TOWERS[model_type]
+
+
+def _vision_spec(hf_config: dict, where: str) -> tuple[type, Any]:
+    """(tower class, its transformers config) of a Qwen2-VL / Qwen2.5-VL config.json."""
+    model_type = hf_config.get("model_type")
+    if model_type == "qwen2_vl":
+        from transformers import Qwen2VLConfig as Config
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Tower
+    elif model_type == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig as Config
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel as Tower,
+        )
+    else:
+        raise ValueError(f"{where}: model_type {model_type!r} has no supported vision tower "
+                         "(qwen2_vl, qwen2_5_vl)")
+    vision = hf_config.get("vision_config") or {}
+    kind = vision.get("model_type") if isinstance(vision, dict) else None
+    if kind is not None and kind not in VISION_KINDS[model_type]:
+        raise ValueError(f"{where}: vision_config.model_type {kind!r}: loomrl builds the {model_type} vision "
+                         f"tower only ({', '.join(VISION_KINDS[model_type])})")
+    cfg = Config.from_dict(hf_config).vision_config
+    cfg._attn_implementation = "sdpa"
+    return Tower, cfg
+
+
+def vision_tower_of(hf_config: dict, where: str = "config.json") -> nn.Module:
+    """A randomly initialised vision tower (with its merger) of the class and config a Qwen2-VL /
+    Qwen2.5-VL config.json describes: the module its tensors load into."""
+    tower_cls, cfg = _vision_spec(hf_config, where)
+    return tower_cls._from_config(cfg)
+
+
+def _audio_spec(hf_config: dict, where: str) -> tuple[Any, int]:
+    """(the audio encoder's transformers config, the language model's width) of a Qwen2-Audio config.json."""
+    if hf_config.get("model_type") != "qwen2_audio":
+        raise ValueError(f"{where}: model_type {hf_config.get('model_type')!r} has no supported audio tower "
+                         "(qwen2_audio)")
+    from transformers import Qwen2AudioConfig
+
+    cfg = Qwen2AudioConfig.from_dict(hf_config)
+    audio_cfg = cfg.audio_config
+    audio_cfg._attn_implementation = "sdpa"
+    return audio_cfg, cfg.text_config.hidden_size
+
+
+def audio_tower_of(hf_config: dict, where: str = "config.json") -> tuple[nn.Module, nn.Linear]:
+    """A randomly initialised audio encoder and projector (audio width -> language model width)
+    as a Qwen2-Audio config.json describes them: the modules its tensors load into."""
+    from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
+
+    audio_cfg, width = _audio_spec(hf_config, where)
+    return Qwen2AudioEncoder._from_config(audio_cfg), nn.Linear(audio_cfg.d_model, width)
+
+
 def load_vision_tower(folder: str | Path, dtype: Optional[torch.dtype] = None) -> nn.Module:
     """The vision tower (with its merger) of a Qwen2-VL or Qwen2.5-VL checkpoint folder.
 
     dtype: cast to this; None keeps the checkpoint's dtype."""
-    model_type = read_config(folder).get("model_type")
-    if model_type == "qwen2_vl":
-        from transformers import Qwen2VLConfig
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Tower
-
-        cfg = Qwen2VLConfig.from_pretrained(str(folder), local_files_only=True).vision_config
-    elif model_type == "qwen2_5_vl":
-        from transformers import Qwen2_5_VLConfig
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel as Tower,
-        )
-
-        cfg = Qwen2_5_VLConfig.from_pretrained(str(folder), local_files_only=True).vision_config
-    else:
-        raise ValueError(f"{folder}: model_type {model_type!r} has no supported vision tower "
-                         "(qwen2_vl, qwen2_5_vl)")
-    cfg._attn_implementation = "sdpa"
-    tower = Tower._from_config(cfg)
+    tower = vision_tower_of(read_config(folder), f"{folder}/config.json")
     return _load_into(tower, read_tensors(folder, VISION_PREFIXES), f"{folder}: vision tower", dtype)
 
 
@@ -105,51 +161,63 @@ def load_audio_tower(folder: str | Path, dtype: Optional[torch.dtype] = None) ->
     """The audio encoder and its projector (audio width -> LM width) of a Qwen2-Audio checkpoint folder.
 
     dtype: cast to this; None keeps the checkpoint's dtype."""
-    model_type = read_config(folder).get("model_type")
-    if model_type != "qwen2_audio":
-        raise ValueError(f"{folder}: model_type {model_type!r} has no supported audio tower (qwen2_audio)")
-    from transformers import Qwen2AudioConfig
-    from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
-
-    cfg = Qwen2AudioConfig.from_pretrained(str(folder), local_files_only=True)
-    audio_cfg = cfg.audio_config
-    audio_cfg._attn_implementation = "sdpa"
-    tower = _load_into(Qwen2AudioEncoder._from_config(audio_cfg), read_tensors(folder, AUDIO_PREFIXES),
-                       f"{folder}: audio tower", dtype)
-    projector = nn.Linear(audio_cfg.d_model, cfg.text_config.hidden_size)
+    tower, projector = audio_tower_of(read_config(folder), f"{folder}/config.json")
+    tower = _load_into(tower, read_tensors(folder, AUDIO_PREFIXES), f"{folder}: audio tower", dtype)
     projector = _load_into(projector, read_tensors(folder, PROJECTOR_PREFIXES), f"{folder}: audio projector",
                            dtype)
     return tower, projector
 
 
+def _is_built_as(module: Optional[nn.Module], cls: type, config) -> bool:
+    """Whether `module` is a `cls` built from `config` (same settings): a checkpoint's tensors
+    then load into it in place, instead of into a second, newly built tower."""
+    return type(module) is cls and module.config.to_dict() == config.to_dict()
+
+
 def attach_towers(model, vision_folder: Optional[str | Path] = None,
                   audio_folder: Optional[str | Path] = None) -> None:
-    """Replace a VLM's vision tower and/or audio tower + projector with a checkpoint's,
-    after checking they fit the model's config (patching, mel bins, clip length, widths)."""
+    """Put a checkpoint's vision tower and/or audio tower + projector into a VLM, after checking
+    they fit the model's config (patching, mel bins, clip length, widths). A tower the model
+    already has, built from the same config (`VLM` from model.init_from), is loaded in place;
+    otherwise the checkpoint's replaces it (or is added where the model had none)."""
     cfg = model.cfg
     dtype = next(model.parameters()).dtype
     if vision_folder is not None:
-        tower = load_vision_tower(vision_folder, dtype)
+        where = f"{vision_folder}/config.json"
+        tower_cls, vision_cfg = _vision_spec(read_config(vision_folder), where)
+        tower = model.visual if _is_built_as(model.visual, tower_cls, vision_cfg) else tower_cls._from_config(vision_cfg)
         c, v = tower.config, cfg.vision
         have = (c.patch_size, c.temporal_patch_size, c.spatial_merge_size, tower.merger.mlp[-1].out_features)
         want = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size, cfg.hidden_size)
         if have != want:
             raise ValueError(f"{vision_folder}: vision tower (patch, temporal patch, merge, out width) {have} "
                              f"does not fit model.vision / model.hidden_size {want}")
-        model.visual = tower
+        model.visual = _load_into(tower, read_tensors(vision_folder, VISION_PREFIXES),
+                                  f"{vision_folder}: vision tower", dtype)
     if audio_folder is not None:
+        from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
+
         from loomrl.encoders.audio import num_frames
 
-        tower, projector = load_audio_tower(audio_folder, dtype)
+        audio_cfg, width = _audio_spec(read_config(audio_folder), f"{audio_folder}/config.json")
+        if _is_built_as(model.audio_tower, Qwen2AudioEncoder, audio_cfg) and model.audio_projector is not None \
+                and model.audio_projector.weight.shape == (width, audio_cfg.d_model):
+            tower, projector = model.audio_tower, model.audio_projector
+        else:
+            tower, projector = Qwen2AudioEncoder._from_config(audio_cfg), nn.Linear(audio_cfg.d_model, width)
         c, a = tower.config, cfg.audio
         have = (c.num_mel_bins, c.max_source_positions, c.d_model, projector.out_features)
         want = (a.num_mel_bins, num_frames(a) // 2, a.d_model, cfg.hidden_size)
         if have != want:
             raise ValueError(f"{audio_folder}: audio tower (mel bins, positions, width, projector out) {have} "
                              f"does not fit model.audio / model.hidden_size {want}")
-        model.audio_tower, model.audio_projector = tower, projector
+        model.audio_tower = _load_into(tower, read_tensors(audio_folder, AUDIO_PREFIXES),
+                                       f"{audio_folder}: audio tower", dtype)
+        model.audio_projector = _load_into(projector, read_tensors(audio_folder, PROJECTOR_PREFIXES),
+                                           f"{audio_folder}: audio projector", dtype)
     if cfg.encoders.frozen:
-        model.visual.requires_grad_(False)
-        model.audio_tower.requires_grad_(False)
+        for tower in (model.visual, model.audio_tower):
+            if tower is not None:
+                tower.requires_grad_(False)
     model.train(model.training)  # the loaded towers come in eval mode; follow the model
     model.encoding_cache.clear()  # other weights, fresh version counters

@@ -146,7 +146,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | torch.dtype | No
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         export_policy(model, tmp, modality, dtype)
-        config = _complete_config(_read_json(tmp / "config.json"), model, modality, init_from)
+        config = _complete_config(_read_json(tmp / "config.json"), model, tokenizer, modality, init_from)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if chat.template is not None:  # the template prompts were rendered with (a file's, too)
             tokenizer.chat_template = chat.template
@@ -172,14 +172,17 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | torch.dtype | No
 # --------------------------------------------------------------------------- the files beside the weights
 
 
-def _complete_config(config: dict, model, modality: str, init_from: Optional[str]) -> dict:
-    """config.json with the token ids loaders and servers read: eos / pad (bos from init_from),
-    and for Qwen2-VL the vision start / end tokens (vLLM's M-RoPE positions find images by
-    them) and init_from's video token."""
+def _complete_config(config: dict, model, tokenizer, modality: str, init_from: Optional[str]) -> dict:
+    """config.json with the token ids loaders and servers read: eos / pad / bos (init_from's bos,
+    else the tokenizer's, else none: never transformers' default, a Qwen id outside a small
+    vocabulary), and for Qwen2-VL the vision start / end tokens (vLLM's M-RoPE positions find
+    images by them) and init_from's video token."""
     source = _read_json(Path(init_from) / "config.json") if init_from is not None else {}
-    ids = {"eos_token_id": model.eos_token_id, "pad_token_id": model.pad_token_id,
-           "bos_token_id": source.get("bos_token_id", source.get("text_config", {}).get("bos_token_id"))}
-    config.update({k: v for k, v in ids.items() if v is not None})
+    bos = source.get("bos_token_id", source.get("text_config", {}).get("bos_token_id", tokenizer.bos_token_id))
+    ids = {"eos_token_id": model.eos_token_id, "pad_token_id": model.pad_token_id, "bos_token_id": bos}
+    config.update(ids)
+    if "text_config" in config:
+        config["text_config"].update(ids)
     if modality == "image":
         image = model.media_tokens_of["image"]
         if len(image.before) == 1 and len(image.after) == 1:
@@ -200,7 +203,7 @@ def preprocessor_config(model_cfg: R.ModelConfig, model_type: str, init_from: Op
         processor = "Qwen2VLProcessor" if model_type == "qwen2_vl" else "Qwen2_5_VLProcessor"
         base = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor}
         ours = {"do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,  # PIL bicubic
-                "do_normalize": True, "image_mean": CLIP_MEAN.tolist(), "image_std": CLIP_STD.tolist(),
+                "do_normalize": True, "image_mean": _short(CLIP_MEAN), "image_std": _short(CLIP_STD),
                 "do_convert_rgb": True, "min_pixels": v.min_pixels, "max_pixels": v.max_pixels,
                 "size": {"shortest_edge": v.min_pixels, "longest_edge": v.max_pixels},
                 "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
@@ -231,6 +234,11 @@ def preprocessor_config(model_cfg: R.ModelConfig, model_type: str, init_from: Op
             log.info("[export] preprocessor_config.json: %s of %s set to the recipe's (what the policy was "
                      "trained on)", ", ".join(changed), source)
     return {**base, **ours}
+
+
+def _short(values) -> list[float]:
+    """float32 numbers as their shortest decimals (0.48145467, not 0.48145467042922974)."""
+    return [float(str(v)) for v in values]
 
 
 def generation_config(model, tokenizer, init_from: Optional[str]) -> dict:

@@ -124,13 +124,15 @@ def load_policy(model, folder: str | Path) -> None:
 
     src = load_language_model(folder, next(model.parameters()).dtype)
     dst = model.language_model
-    have = (src.cfg.vocab_size, src.cfg.hidden_size, src.cfg.num_layers, src.cfg.num_heads,
-            src.cfg.num_kv_heads, src.cfg.intermediate_size, src.cfg.tie_word_embeddings)
-    want = (dst.cfg.vocab_size, dst.cfg.hidden_size, dst.cfg.num_layers, dst.cfg.num_heads,
-            dst.cfg.num_kv_heads, dst.cfg.intermediate_size, dst.cfg.tie_word_embeddings)
-    if have != want:
-        raise ValueError(f"{folder}: language model (vocab, hidden, layers, heads, kv heads, mlp, tied) "
-                         f"{have} does not fit the recipe's model {want}")
+    # the recipe key of each size (vocab_size: the checkpoint's own config, read when the VLM was built)
+    keys = {"vocab_size": "vocab_size", "hidden_size": "model.hidden_size", "num_layers": "model.num_layers",
+            "num_heads": "model.num_heads", "num_kv_heads": "model.num_kv_heads",
+            "intermediate_size": "model.intermediate_size", "tie_word_embeddings": "model.tie_word_embeddings"}
+    differ = [f"{key} {getattr(dst.cfg, name)!r} (checkpoint: {getattr(src.cfg, name)!r})"
+              for name, key in keys.items() if getattr(src.cfg, name) != getattr(dst.cfg, name)]
+    if differ:
+        raise ValueError(f"{folder}/config.json: the checkpoint's language model does not fit the recipe's: "
+                         f"{', '.join(differ)}; leave these keys out of the recipe to take the checkpoint's")
     for name in ("rope_theta", "rms_norm_eps", "mrope_section"):
         setattr(dst.cfg, name, getattr(src.cfg, name))
     for m in dst.modules():  # the norms copied their epsilon when built
@@ -263,6 +265,12 @@ def export_policy(model, folder: str | Path, modality: str, dtype: Optional[torc
     def tower_tensors(module, prefix):
         return {prefix + k: v.detach().to(dtype).contiguous() for k, v in module.state_dict().items()}
 
+    towers = {"image": model.visual, "audio": model.audio_tower}
+    if modality in towers and towers[modality] is None:
+        can = [m for m, t in towers.items() if t is not None] + ["text"]
+        raise ValueError(f"the policy has no {'vision' if modality == 'image' else 'audio'} tower to export as "
+                         f"modality {modality!r} (model.init_from={model.cfg.init_from!r}); it exports as "
+                         f"{' or '.join(can)}")
     if modality == "image":
         vision = model.visual.config.to_dict()
         model_type = {"qwen2_vl": "qwen2_vl", "qwen2_vl_vision": "qwen2_vl",

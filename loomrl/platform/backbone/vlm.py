@@ -1,5 +1,10 @@
 """The Qwen-VL-style policy: vision tower + audio tower + projector + Qwen2 decoder.
 
+Which towers exist: the demo (no `model.init_from`) has both; a checkpoint has its own
+(Qwen2-VL / Qwen2.5-VL: vision; Qwen2-Audio: audio + projector; Qwen2: none), so a policy
+started from it has the checkpoint's parameters and no random extras. An absent tower is
+None, and a prompt with its medium is refused.
+
 Prompts carry `<image>` / `<audio>` markers; `prompt_ids` expands each marker
 into the model's media tokens (`tokenizer.media_layout`: the demo's own marker
 token, or a checkpoint's `<|vision_start|>` + placeholders + `<|vision_end|>`)
@@ -27,6 +32,7 @@ from torch import nn
 
 from loomrl.encoders.audio import build_audio_tower, encode_audio, num_audio_tokens
 from loomrl.encoders.cache import EncodeStats, EncodingCache, Encodings, encode_distinct, encode_every_copy
+from loomrl.encoders.hf_checkpoint import audio_tower_of, checkpoint_towers, vision_tower_of
 from loomrl.encoders.media import Medium, settings_fingerprint
 from loomrl.encoders.vision import build_vision_tower, encode_images, num_image_tokens
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, KVCache
@@ -48,11 +54,18 @@ def weights_version(module: nn.Module) -> int:
 class VLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tokenizer, hf_config: Optional[dict] = None):
         """hf_config: config.json of the checkpoint the weights will come from (model.init_from):
-        it gives the vocabulary size and the media tokens."""
+        it gives the vocabulary size, the media tokens and which towers exist (Qwen2-VL /
+        Qwen2.5-VL: the vision tower, of the checkpoint's class and config; Qwen2-Audio: the
+        audio tower + projector; Qwen2: none). Without it (the demo) both towers are built from
+        cfg.vision / cfg.audio. An absent tower is None, and so is its medium's entry in
+        `media_tokens_of`: a prompt with that medium is refused."""
         super().__init__()
         self.cfg = cfg
         where = f"{cfg.init_from}/config.json"
-        self.media_tokens_of = media_layout(tokenizer, hf_config, where)  # kind -> MediaTokens | None
+        kinds = ("image", "audio") if hf_config is None else checkpoint_towers(hf_config, where)
+        layout = media_layout(tokenizer, hf_config, where) if kinds else {}
+        # kind -> MediaTokens | None
+        self.media_tokens_of = {kind: layout.get(kind) if kind in kinds else None for kind in ("image", "audio")}
         image, audio = self.media_tokens_of["image"], self.media_tokens_of["audio"]
         # None: the model cannot read that medium (a prompt using it is refused)
         self.image_token_id = image.placeholder if image else None
@@ -75,24 +88,32 @@ class VLM(nn.Module):
                   *range(len(tokenizer), vocab_size)} - {self.eos_token_id}
         self.register_buffer("banned_token_ids", torch.tensor(sorted(i for i in banned if i is not None)),
                              persistent=False)
-        self.visual = build_vision_tower(cfg.vision, cfg.hidden_size, cfg.init_std)
-        self.audio_tower = build_audio_tower(cfg.audio, cfg.init_std)
-        # Qwen2-Audio's multi_modal_projector.linear: audio width -> backbone width.
-        self.audio_projector = nn.Linear(cfg.audio.d_model, cfg.hidden_size)
+        self.visual: Optional[nn.Module] = None
+        self.audio_tower: Optional[nn.Module] = None
+        self.audio_projector: Optional[nn.Linear] = None  # Qwen2-Audio's multi_modal_projector.linear
+        if hf_config is None:  # the demo: both towers, from the recipe's sizes
+            self.visual = build_vision_tower(cfg.vision, cfg.hidden_size, cfg.init_std)
+            self.audio_tower = build_audio_tower(cfg.audio, cfg.init_std)
+            self.audio_projector = nn.Linear(cfg.audio.d_model, cfg.hidden_size)
+        elif "image" in kinds:
+            self.visual = vision_tower_of(hf_config, where)
+        elif "audio" in kinds:
+            self.audio_tower, self.audio_projector = audio_tower_of(hf_config, where)
         self.language_model = Decoder(DecoderConfig(
             vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             intermediate_size=cfg.intermediate_size, rope_theta=cfg.rope_theta,
             rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
             rounding=Regions(cfg.rounding.rope, cfg.rounding.swiglu, cfg.rounding.rmsnorm)))
-        for m in [self.audio_projector, *self.language_model.modules()]:
+        for m in [*([self.audio_projector] if self.audio_projector is not None else []),
+                  *self.language_model.modules()]:
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=cfg.init_std)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
         if cfg.encoders.frozen:
-            self.visual.requires_grad_(False)
-            self.audio_tower.requires_grad_(False)
+            for tower in self.tower_modules():
+                tower.requires_grad_(False)
             self.train(self.training)  # frozen towers stay in eval mode (see train)
         self.encoding_cache = EncodingCache(cfg.encoders.cache_size)
         self.encode_totals = EncodeStats()  # all encoder work of this model, for per-step metrics
@@ -102,9 +123,21 @@ class VLM(nn.Module):
     def train(self, mode: bool = True) -> "VLM":
         super().train(mode)
         if self.cfg.encoders.frozen:  # a frozen tower is an inference module: deterministic, cacheable
-            self.visual.eval()
-            self.audio_tower.eval()
+            for tower in self.tower_modules():
+                tower.eval()
         return self
+
+    def tower_modules(self) -> list[nn.Module]:
+        """The towers this model has (vision, audio; an absent one is left out)."""
+        return [t for t in (self.visual, self.audio_tower) if t is not None]
+
+    def tower_of(self, kind: str) -> nn.Module:
+        """The tower that encodes `kind`; a ValueError naming the checkpoint when the model has none."""
+        tower = self.visual if kind == "image" else self.audio_tower if kind == "audio" else None
+        if tower is None:
+            raise ValueError(f"the model has no {'vision' if kind == 'image' else kind} tower for {kind!r} media "
+                             f"(model.init_from={self.cfg.init_from!r})")
+        return tower
 
     def set_stop_token(self, token_id: int) -> None:
         """Completions end at `token_id` (a chat template's end-of-turn) instead of the tokenizer's
@@ -153,13 +186,13 @@ class VLM(nn.Module):
         out: list[torch.Tensor | None] = [None] * len(media)
         images = [i for i, m in enumerate(media) if m.kind == "image"]
         if images:
-            enc = encode_images(self.visual, torch.cat([media[i].features for i in images]),
+            enc = encode_images(self.tower_of("image"), torch.cat([media[i].features for i in images]),
                                 torch.stack([media[i].grid for i in images]))
             for i, e in zip(images, enc.split([self.media_tokens(media[i]) for i in images])):
                 out[i] = e
         clips = [i for i, m in enumerate(media) if m.kind == "audio"]
         if clips:
-            enc = encode_audio(self.audio_tower, torch.stack([media[i].features for i in clips]))
+            enc = encode_audio(self.tower_of("audio"), torch.stack([media[i].features for i in clips]))
             for i, e in zip(clips, enc):
                 out[i] = e
         return out
@@ -170,6 +203,8 @@ class VLM(nn.Module):
         out = list(raw)
         clips = [i for i, m in enumerate(media) if m.kind == "audio"]
         if clips:
+            if self.audio_projector is None:
+                raise ValueError(f"the model has no audio projector (model.init_from={self.cfg.init_from!r})")
             for i, e in zip(clips, self.audio_projector(torch.stack([raw[i] for i in clips]))):
                 out[i] = e
         return out
@@ -177,7 +212,7 @@ class VLM(nn.Module):
     def tower_identity(self, kind: str) -> tuple:
         """What decides the tower output for `kind` besides the weights: the tower's class,
         config, dtype, device and train/eval mode."""
-        tower = self.visual if kind == "image" else self.audio_tower
+        tower = self.tower_of(kind)
         p = next(tower.parameters())
         return kind, type(tower).__name__, settings_fingerprint(tower.config.to_dict()), str(p.dtype), \
             str(p.device), tower.training
@@ -192,7 +227,7 @@ class VLM(nn.Module):
             raw, stats = encode_every_copy(media, self.towers)
             self.encode_totals.add(stats)
             return self.project(media, raw), stats
-        towers = [self.visual, self.audio_tower]
+        towers = self.tower_modules()
         grad = torch.is_grad_enabled() and any(p.requires_grad for t in towers for p in t.parameters())
         identity = {kind: self.tower_identity(kind) for kind in {m.kind for m in media}}
         version = tuple(weights_version(t) for t in towers)

@@ -38,7 +38,7 @@ import reprlib
 import string
 import unicodedata
 from fractions import Fraction
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 MAX_SCAN = 20_000
 """Characters of a completion searched for its final answer (the end: where it is)."""
@@ -303,11 +303,19 @@ def normalize_math(s: str) -> str:
     return s
 
 
+class _Node(NamedTuple):
+    expr: Any                  # a sympy expression, built unevaluated
+    weight: int                # number bits, exponents multiplied in (bounded by MAX_WEIGHT)
+    const: Optional[Fraction]  # its exact value when it is a rational constant
+
+
 class _Converter:
     """Recursive descent over the tokens of a normalised final answer, building sympy objects
-    directly (never sympify). Each node carries a weight (number bits, exponents multiplied
-    in) capped at MAX_WEIGHT; nesting is capped too."""
+    directly and unevaluated (never sympify; no automatic simplification, whose assumption
+    queries can take seconds). Rational constants are also kept exactly (exponents must be
+    one). Weights are capped at MAX_WEIGHT, nesting at MAX_DEPTH."""
 
+    MAX_DEPTH = 40
     _ATOM_START = ("(", "{", "[", "\\frac", "\\sqrt", "\\pi")
 
     def __init__(self, text: str):
@@ -323,10 +331,12 @@ class _Converter:
             pos = m.end()
         if pos != len(text) or not self.tokens:
             raise _Unsupported(text[pos:])
-        letters = "".join("a" if t.isalpha() and len(t) == 1 else " " for t in self.tokens)
+        letters = "".join("a" if len(t) == 1 and t.isalpha() else " " for t in self.tokens)
         if any(len(run) > 2 for run in letters.split()):
             raise _Unsupported("a word, not a product of variables")
         self.i, self.depth = 0, 0
+
+    # -- tokens
 
     def peek(self) -> Optional[str]:
         return self.tokens[self.i] if self.i < len(self.tokens) else None
@@ -338,104 +348,125 @@ class _Converter:
         self.i += 1
         return tok
 
-    def parse(self):
-        expr, _ = self.expr()
-        if self.peek() is not None:
-            raise _Unsupported(self.peek())
-        if expr.has(self.sp.zoo, self.sp.nan, self.sp.oo, -self.sp.oo):
-            raise _Unsupported("division by zero")
-        return expr
+    # -- nodes
 
     @staticmethod
-    def checked(weight: int) -> int:
+    def weighed(weight: int) -> int:
         if weight > MAX_WEIGHT:
             raise _Unsupported("too large")
         return weight
 
-    def expr(self):
-        self.depth += 1
-        if self.depth > 40:
-            raise _Unsupported("nested too deeply")
-        value, weight = self.term()
-        while self.peek() in ("+", "-"):
-            op = self.take()
-            rhs, w = self.term()
-            value = value + rhs if op == "+" else value - rhs
-            weight = self.checked(weight + w)
-        self.depth -= 1
-        return value, weight
+    def number(self, value: Fraction) -> _Node:
+        bits = value.numerator.bit_length() + value.denominator.bit_length() + 1
+        return _Node(self.sp.Rational(value.numerator, value.denominator), self.weighed(bits), value)
 
-    def term(self):
-        value, weight = self.unary()
+    def add(self, a: _Node, b: _Node, sign: int = 1) -> _Node:
+        if a.const is not None and b.const is not None:
+            return self.number(a.const + sign * b.const)
+        rhs = b.expr if sign > 0 else self.sp.Mul(-1, b.expr, evaluate=False)
+        return _Node(self.sp.Add(a.expr, rhs, evaluate=False), self.weighed(a.weight + b.weight), None)
+
+    def mul(self, a: _Node, b: _Node, divide: bool = False) -> _Node:
+        if divide and b.const == 0:
+            raise _Unsupported("division by zero")
+        if a.const is not None and b.const is not None:
+            return self.number(a.const / b.const if divide else a.const * b.const)
+        rhs = self.sp.Pow(b.expr, -1, evaluate=False) if divide else b.expr
+        return _Node(self.sp.Mul(a.expr, rhs, evaluate=False), self.weighed(a.weight + b.weight), None)
+
+    def pow(self, base: _Node, exponent: Optional[Fraction]) -> _Node:
+        if exponent is None or abs(exponent.numerator) > MAX_EXPONENT or exponent.denominator > MAX_EXPONENT:
+            raise _Unsupported("exponent")
+        if base.const == 0 and exponent < 0:
+            raise _Unsupported("division by zero")
+        weight = self.weighed(base.weight * max(1, abs(exponent.numerator)))
+        if base.const is not None and exponent.denominator == 1:
+            return self.number(base.const ** exponent.numerator)
+        rational = self.sp.Rational(exponent.numerator, exponent.denominator)
+        return _Node(self.sp.Pow(base.expr, rational, evaluate=False), weight, None)
+
+    # -- grammar: expr := term (+|- term)*; term := unary ((*|/|implicit) unary)*;
+    #    unary := (+|-) unary | power; power := atom (^ [-] atom)*
+
+    def parse(self) -> Any:
+        node = self.expr()
+        if self.peek() is not None:
+            raise _Unsupported(self.peek())
+        return node.expr
+
+    def expr(self) -> _Node:
+        self.depth += 1
+        if self.depth > self.MAX_DEPTH:
+            raise _Unsupported("nested too deeply")
+        node = self.term()
+        while self.peek() in ("+", "-"):
+            sign = 1 if self.take() == "+" else -1
+            node = self.add(node, self.term(), sign)
+        self.depth -= 1
+        return node
+
+    def term(self) -> _Node:
+        node = self.unary()
         while True:
             tok = self.peek()
             if tok in ("*", "/", "\\cdot", "\\times", "\\div"):
                 self.take()
-                rhs, w = self.unary()
-                value = value / rhs if tok in ("/", "\\div") else value * rhs
-            elif tok is not None and (tok in self._ATOM_START or (tok.isalpha() and len(tok) == 1)):
-                rhs, w = self.power()  # implicit product: 2x, 3(x+1), x\sqrt{2}
-                value = value * rhs
+                node = self.mul(node, self.unary(), divide=tok in ("/", "\\div"))
+            elif tok is not None and (tok in self._ATOM_START or (len(tok) == 1 and tok.isalpha())):
+                node = self.mul(node, self.power())  # implicit product: 2x, 3(x+1), x\sqrt{2}
             else:
-                return value, weight
-            weight = self.checked(weight + w)
+                return node
 
-    def unary(self):
+    def unary(self) -> _Node:
         if self.peek() in ("+", "-"):
-            sign = self.take()
-            value, weight = self.unary()
-            return (-value if sign == "-" else value), weight
+            negative = self.take() == "-"
+            node = self.unary()
+            return self.mul(self.number(Fraction(-1)), node) if negative else node
         return self.power()
 
-    def power(self):
-        base, weight = self.atom()
+    def power(self) -> _Node:
+        node = self.atom()
         while self.peek() == "^":
             self.take()
             negative = self.peek() == "-"
             if negative:
                 self.take()
-            exponent, _ = self.atom()
-            if negative:
-                exponent = -exponent
-            if not exponent.is_Rational or abs(exponent.p) > MAX_EXPONENT or exponent.q > MAX_EXPONENT:
-                raise _Unsupported("exponent")
-            weight = self.checked(weight * max(1, abs(exponent.p)))
-            base = base ** exponent
-        return base, weight
+            exponent = self.atom().const
+            node = self.pow(node, -exponent if negative and exponent is not None else exponent)
+        return node
 
-    def group(self):
+    def group(self) -> _Node:
         """A command's argument: {...}, or one digit or letter (\\frac12, \\sqrt2)."""
         tok = self.peek()
         if tok == "{":
             self.take()
-            value = self.expr()
+            node = self.expr()
             self.take("}")
-            return value
+            return node
         if tok is not None and tok.isdigit() and len(tok) > 1:  # \frac12: the first digit only
             self.tokens[self.i] = tok[1:]
-            return self.sp.Integer(int(tok[0])), 4
-        if tok is not None and (tok.isdigit() or (tok.isalpha() and len(tok) == 1)):
+            return self.number(Fraction(int(tok[0])))
+        if tok is not None and (tok.isdigit() or (len(tok) == 1 and tok.isalpha())):
             return self.atom()
         raise _Unsupported("a command's argument")
 
-    def atom(self):
-        sp, tok = self.sp, self.take()
+    def atom(self) -> _Node:
+        tok = self.take()
         if tok[0].isdigit() or tok[0] == ".":
             if len(tok) > 30:
                 raise _Unsupported("number too long")
-            f = Fraction(tok)
-            return sp.Rational(f.numerator, f.denominator), f.numerator.bit_length() + f.denominator.bit_length() + 1
+            return self.number(Fraction(tok))
         if len(tok) == 1 and tok.isalpha():
-            return sp.Symbol(tok), 1
+            return _Node(self.sp.Symbol(tok), 1, None)
         if tok in ("(", "[", "{"):
-            value = self.expr()
+            node = self.expr()
             self.take({"(": ")", "[": "]", "{": "}"}[tok])
-            return value
+            return node
         if tok == "\\pi":
-            return sp.pi, 2
+            return _Node(self.sp.pi, 2, None)
         if tok == "\\frac":
-            (num, wn), (den, wd) = self.group(), self.group()
-            return num / den, self.checked(wn + wd)
+            num = self.group()
+            return self.mul(num, self.group(), divide=True)
         if tok == "\\sqrt":
             n = 2
             if self.peek() == "[":
@@ -445,47 +476,47 @@ class _Converter:
                 if not index.isdigit() or not 2 <= int(index) <= MAX_EXPONENT:
                     raise _Unsupported("root index")
                 n = int(index)
-            value, weight = self.group()
-            if weight > MAX_WEIGHT // 8:  # sympy factors the integers it takes roots of
-                raise _Unsupported("too large")
-            return sp.root(value, n), weight
+            return self.pow(self.group(), Fraction(1, n))
         raise _Unsupported(tok)
 
 
-def to_sympy(text: str):
-    """A normalised final answer as a sympy expression, or None when the safe converter does
-    not read it (longer than MAX_EXPR_CHARS, an unknown token or command, too large)."""
+def to_sympy(text: str) -> Any:
+    """A normalised final answer as an (unevaluated) sympy expression, or None when the safe
+    converter does not read it (longer than MAX_EXPR_CHARS, an unknown token or command, an
+    exponent that is no small rational, too large)."""
     if len(text) > MAX_EXPR_CHARS:
         return None
     try:
         return _Converter(text).parse()
     except _Unsupported:
         return None
-    except Exception:  # noqa: BLE001 - sympy's arithmetic may raise anything on odd input: unread
+    except Exception:  # noqa: BLE001 - sympy may raise anything on odd input: then it is unread
         return None
 
 
-def _equivalent(a, b) -> bool:
-    """a == b as expressions: identical after sympy's automatic canonical form (2x+x is 3x,
-    1/2 is 0.5), else equal to 1e-12 (relative) at three fixed points of their variables
-    (random identity testing; no simplify/expand, whose cost is unbounded)."""
+def _equivalent(a: Any, b: Any, tolerance: float) -> bool:
+    """a == b as expressions, by random identity testing: their values agree at three fixed
+    points of their variables, to 1e-12 relative (to `tolerance` when neither has variables:
+    then they are numbers, compared as `numeric` does). Evaluation is numeric (evalf, 30
+    digits), never simplify/expand, whose cost is unbounded. Points where either side is
+    undefined are skipped; two must agree."""
     import sympy
 
     if a == b:
         return True
     names = sorted({s.name for s in a.free_symbols | b.free_symbols})
+    rel = 1e-12 if names else tolerance
+    bad = (sympy.zoo, sympy.nan, sympy.oo, -sympy.oo)
     agreed = 0
-    for k in range(3):
+    for k in range(3):  # all positive, all negative, mixed signs
         rng = random.Random(f"loomrl-math-{k}")
-        point = {sympy.Symbol(n): sympy.Float(rng.uniform(0.1, 2.0) * (-1 if (k == 1 or (k == 2 and j % 2))
-                                                                        else 1), 30)
+        point = {sympy.Symbol(n): sympy.Float(rng.uniform(0.1, 2.0) * (-1 if k == 1 or (k == 2 and j % 2) else 1), 30)
                  for j, n in enumerate(names)}
         va, vb = a.evalf(30, subs=point), b.evalf(30, subs=point)
-        if not (va.is_number and vb.is_number) or va.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo) \
-                or vb.has(sympy.zoo, sympy.nan, sympy.oo, -sympy.oo):
+        if not (va.is_number and vb.is_number) or va.has(*bad) or vb.has(*bad):
             continue
-        scale = max(sympy.Integer(1), abs(va), abs(vb))
-        if not bool(abs(va - vb) <= sympy.Float("1e-12", 30) * scale):
+        scale = max(sympy.Integer(1), abs(va), abs(vb)) if names else max(abs(va), abs(vb))
+        if not bool(abs(va - vb) <= sympy.Float(rel, 30) * scale + (0 if names else ABS_TOL)):
             return False
         agreed += 1
     return agreed >= 2
@@ -505,7 +536,7 @@ def math_equal(got: str, ref: str, tolerance: float = 1e-4) -> bool:
     if ea is None or eb is None:
         return False
     try:
-        return _equivalent(ea, eb)
+        return _equivalent(ea, eb, tolerance)
     except Exception:  # noqa: BLE001 - sympy's evaluation may raise anything on odd input: unequal
         return False
 

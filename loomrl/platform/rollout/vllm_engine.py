@@ -103,6 +103,9 @@ def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.f
     from loomrl.platform.backbone.tokenizer import load_tokenizer
 
     lm, vcfg = model.language_model, model.cfg.vision
+    if model.visual is None:
+        raise ValueError(f"vLLM: an M-RoPE policy without a vision tower (model.init_from="
+                         f"{model.cfg.init_from!r}) has no image model to serve")
     vision = model.visual.config.to_dict()
     served = _MROPE_SERVED.get(vision.get("model_type"))
     if served is None:
