@@ -171,7 +171,7 @@ def test_demo_policy_exports_as_qwen2_text_model_with_equal_logits(demo_run, tmp
     assert main(["export", str(demo_run), "--out", str(tmp_path / "hf"), "--modality", "text"]) == 0  # the run folder
     assert "[export] step-000003 -> " in capsys.readouterr().out
     tok, policy = _policy(demo_run / "checkpoints" / "step-000003")
-    ids = torch.tensor([tok("a small red circle <eos>")["input_ids"]])
+    ids = torch.tensor([tok("a small red shape plays a low tone <eos>")["input_ids"]])
     assert (ids != tok.unk_token_id).all()
     with torch.no_grad():
         want, _ = policy.forward_embeds(policy.language_model.embed(ids), torch.ones_like(ids))
@@ -234,6 +234,19 @@ def test_refusals_name_the_file(vl_run, tmp_path, capsys):
     assert main(["export", str(checkpoint), "--out", str(out), "--overwrite", "--dtype", "bfloat16"]) == 0
     assert not (out / "keep.txt").exists() and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged", "lost", "out"]  # nothing half-written
+
+
+def test_the_reward_code_need_not_be_importable(demo_run, tmp_path):
+    """The reward is run-time code of the run; the export never calls it."""
+    run = tmp_path / "run"
+    shutil.copytree(demo_run, run)
+    text = (run / "recipe.yaml").read_text()
+    assert "reward: slot_match" in text
+    (run / "recipe.yaml").write_text(text.replace("reward: slot_match", "reward: not_installed_here:score"))
+    with pytest.raises(R.RecipeError, match="not_installed_here"):  # what a run would say
+        R.load_recipe(run / "recipe.yaml", files=False)
+    out = export_checkpoint(run, tmp_path / "hf", modality="text")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
 
 
 def test_a_failed_export_leaves_nothing(demo_run, tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ chat template, a marker-free manifest of real photos (scikit-image) with questio
 and validation, `loomrl export` again, and transformers loading that export with the trainer's
 logits (FP32, 1e-5)."""
 import json
+import os
 
 import numpy as np
 import torch
@@ -53,17 +54,17 @@ def test_sft_grpo_and_export_of_a_users_own_task(tmp_path, monkeypatch):
     # marker-free, as public VQA sets are: `question` / `image` / `answer`, no ids
     train = [{"question": q, "image": f"img/{p}.png", "answer": p} for q in TRAIN_QUESTIONS for p in PHOTOS]
     train += [{"question": "what is this ?", "image": "img/missing.png", "answer": "rocket"},
-              {"question": "what is this ?", "image": "../../../../etc/passwd", "answer": "rocket"}]
+              {"question": "what is this ?", "image": os.path.relpath("/etc/passwd", tmp_path), "answer": "rocket"}]
     _manifest(tmp_path / "train.jsonl", train)
     _manifest(tmp_path / "val.jsonl", [{"question": VAL_QUESTION, "image": f"img/{p}.png", "answer": p}
                                        for p in PHOTOS])
-    assert main(["shards", "make", "train.jsonl", "--out", "shards/train-%06d.tar"]) == 1  # 2 samples rejected
+    _run(["shards", "make", "train.jsonl", "--out", "shards/train-%06d.tar"])  # the good 12 written, 2 rejected
     rejected = [json.loads(line) for line in (tmp_path / "shards" / "rejected.jsonl").read_text().splitlines()]
     assert sorted(r["code"] for r in rejected) == ["missing-file", "path-outside-source"]
-    _run(["shards", "make", "val.jsonl", "--out", "shards/val-%06d.tar"])
+    _run(["shards", "make", "val.jsonl", "--out", "val/val-%06d.tar"])
 
     common = """
-validation: {shards: shards/val-*.tar, every: 10, samples: 4, max_new_tokens: 3}
+validation: {shards: val/val-*.tar, every: 10, samples: 4, max_new_tokens: 3}
 logging: {tensorboard: false, progress: false}
 """
     # --- SFT: sizes, tokenizer and chat template all come from the checkpoint

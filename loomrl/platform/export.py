@@ -54,18 +54,20 @@ _STORED = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint folder (`step-N`), or a run folder: its newest checkpoint."""
+    """A checkpoint folder (`step-N`); a run folder or its `checkpoints/`: the newest checkpoint."""
     from loomrl.platform.checkpoint import latest_checkpoint
 
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path}: not a checkpoint folder (RUN/checkpoints/step-N) nor a run folder")
     if (path / "checkpoints").is_dir() or (path / "recipe.yaml").is_file():  # a run folder
-        newest = latest_checkpoint(path / "checkpoints")
-        if newest is None:
-            raise ValueError(f"{path / 'checkpoints'}: no checkpoint (step-N folder) to export")
-        return newest
-    return path
+        path = path / "checkpoints"
+    elif latest_checkpoint(path) is None:
+        return path  # a step-N folder (load_checkpoint says what is wrong with anything else)
+    newest = latest_checkpoint(path)
+    if newest is None:
+        raise ValueError(f"{path}: no checkpoint (step-N folder) to export")
+    return newest
 
 
 def run_recipe(checkpoint: Path) -> R.Recipe:
@@ -89,7 +91,7 @@ def run_recipe(checkpoint: Path) -> R.Recipe:
 
 def choose_modality(model, init_from: Optional[str], modality: Optional[str]) -> str:
     """The HF model to write: `modality` if given (the policy must read that medium), else
-    init_from's; a policy with no init_from must name it unless it reads one medium only."""
+    init_from's; a policy with no init_from must name it when it reads two media (the demo)."""
     readable = [kind for kind, tower in (("image", "visual"), ("audio", "audio_tower"))
                 if getattr(model, tower, None) is not None and getattr(model, f"{kind}_token_id") is not None]
     source = None
@@ -101,10 +103,10 @@ def choose_modality(model, init_from: Optional[str], modality: Optional[str]) ->
             if modality is None:
                 raise ValueError(f"{init_from}/config.json: model_type {source!r} has no export "
                                  f"(expected one of {sorted(MODALITY_OF)})")
-        elif len(readable) == 1:
-            modality = readable[0]
+        elif len(readable) <= 1:
+            modality = readable[0] if readable else "text"
         else:
-            raise ValueError(f"the policy has no model.init_from and reads {' and '.join(readable) or 'text only'}: "
+            raise ValueError(f"the policy has no model.init_from and reads {' and '.join(readable)}: "
                              f"name the model to write with --modality image|audio|text (image: Qwen2-VL, "
                              f"audio: Qwen2-Audio, text: Qwen2ForCausalLM, the language model alone)")
     if modality not in MODALITIES:
@@ -141,9 +143,12 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | torch.dtype | No
     modality = choose_modality(model, init_from, modality)
     dtype = dtype or _stored_dtype(checkpoint / "model.safetensors")
 
-    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
-    _remove(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    # a hidden staging folder beside `out` (same file system: the final rename is atomic); the
+    # folder is filled at stage/hf, export_policy's own temporary folder lands in the stage too
+    stage = out.parent / f".{out.name}.export-{os.getpid()}"
+    tmp = stage / "hf"
+    _remove(stage)
+    stage.mkdir(parents=True)
     try:
         export_policy(model, tmp, modality, dtype)
         config = _complete_config(_read_json(tmp / "config.json"), model, tokenizer, modality, init_from)
@@ -158,10 +163,10 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | torch.dtype | No
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         for p in tmp.iterdir():
             _fsync(p)
-        _replace(tmp, out)
-    except BaseException:
-        _remove(tmp)
-        raise
+        _fsync(tmp)
+        _replace(tmp, out, stage / "old")
+    finally:
+        _remove(stage)
     params = _count_params(out)
     log.info("[export] %s -> %s: %s, %.2fM params, %s", checkpoint.name, out, config["architectures"][0],
              params / 1e6, str(dtype).removeprefix("torch."))
@@ -310,16 +315,12 @@ def _check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{out}: already exists ({what}); choose another --out, or --overwrite it")
 
 
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the filled `tmp` to `out`; an existing `out` goes only once `tmp` is in place."""
+def _replace(tmp: Path, out: Path, old: Path) -> None:
+    """Move the filled `tmp` to `out`; an existing `out` is first moved aside to `old` (the
+    staging folder, removed after), so `out` is only ever the old folder or the new one whole."""
     if out.exists() or out.is_symlink():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        _remove(old)
         os.replace(out, old)
-        os.replace(tmp, out)
-        _remove(old)
-    else:
-        os.replace(tmp, out)
+    os.replace(tmp, out)
     _fsync(out.parent)
 
 

@@ -333,31 +333,57 @@ class RolloutConfig:
 
 @dataclass
 class RewardSourceConfig:
-    """One reward source: a callable or a learned reward model, with its weight."""
+    """One reward source: a callable, a learned reward model or a remote reward server, with
+    its weight."""
 
     fn: Optional[str] = None
-    """A reward callable: registry name or `module:function` (set this or `model`)."""
+    """A reward callable: registry name (exact, numeric, choice, math, iou, regex, ...; see
+    loomrl.platform.rewards) or `module:function` (on the Python path, or `module.py` beside the
+    recipe). Set exactly one of `fn`, `model` and `url`."""
     model: Optional[str] = None
     """A local folder of a transformers sequence-classification model (safetensors
     weights + tokenizer; nothing is downloaded), run on the trainer's device."""
+    url: Optional[str] = None
+    """An http:// or https:// reward server: each batch is POSTed as {"completions": [...],
+    "samples": [...]} and answered with {"rewards": [...]} (loomrl/platform/rewards/remote.py)."""
     weight: float = ranged(1.0)
     """Weight of this source in the summed reward."""
     name: Optional[str] = None
-    """Name in the metrics (`reward_<name>_mean`); default: the function or folder name."""
+    """Name in the metrics (`reward_<name>_mean`); default: the function or folder name, or the
+    server's host."""
     batch_size: int = ranged(32, ge=1)
-    """Completions per reward-model forward."""
+    """Completions per reward-model forward, or per request to a reward server."""
     max_length: int = ranged(512, ge=1)
     """Reward-model input tokens (prompt + completion, truncated)."""
     label: int = ranged(0, ge=0)
     """Which logit of the reward model's head is the reward."""
     with_prompt: bool = True
     """Score the (prompt text, completion) pair; false: the completion alone."""
+    timeout_s: float = ranged(30.0, gt=0)
+    """Reward server: seconds one request may take (connect, send, whole reply)."""
+    retries: int = ranged(2, ge=0)
+    """Reward server: further attempts after a connection error, a timeout or a 5xx reply
+    (short exponential backoff); then the run stops with an error naming the URL."""
+    tolerance: float = ranged(1e-4, ge=0)
+    """`numeric` and `math`: relative tolerance of a number match (plus 1e-9 absolute)."""
+    pattern: Optional[str] = None
+    """`regex` (needed there, used nowhere else): the regular expression the stripped completion
+    must fully match (re.fullmatch, DOTALL: `.` matches newlines)."""
 
     def source_name(self) -> str:
-        """The name in the metrics: `name`, else the function's or the folder's name."""
+        """The name in the metrics: `name`, else the function's, the folder's or the server's host name."""
         if self.name:
             return self.name
-        return self.fn.split(":")[-1] if self.fn else Path(self.model).resolve().name
+        if self.fn:
+            return self.fn.split(":")[-1]
+        if self.url:
+            from urllib.parse import urlsplit
+
+            try:
+                return urlsplit(self.url).hostname or self.url
+            except ValueError:
+                return self.url
+        return Path(self.model).resolve().name
 
 
 @dataclass
@@ -413,7 +439,7 @@ class AlgorithmConfig:
     """Reward callable: a registry name (see loomrl.platform.rewards) or
     `module:function`. Called as fn(completion: str, sample: dict) -> float."""
     rewards: list[RewardSourceConfig] = field(default_factory=list)
-    """Weighted reward sources (callables and reward models); when given, the reward
+    """Weighted reward sources (callables, reward models, remote reward servers); when given, the reward
     is their weighted sum and `reward` is not used."""
     clip_eps: float = ranged(0.2, gt=0)
     """PPO clip range of the probability ratio."""
@@ -897,12 +923,61 @@ def _is_dir(path: str) -> bool:
         return False
 
 
-def resolve_callable(spec: str, key: str = "algorithm.reward") -> Any:
-    """A reward (or other) function from a registry name or `module:function`; errors name `key`."""
-    from loomrl.platform.rewards import REGISTRY
+_recipe_folder: Optional[Path] = None
+"""The folder of the recipe file being loaded (set by `load_recipe`): a `module:function` whose
+module is not importable is also looked for there."""
+
+
+def set_recipe_folder(folder: Optional[str | Path]) -> None:
+    """Where `resolve_callable` also looks for a `module:function`'s module (`load_recipe` sets the
+    recipe file's folder, absolute, so the working directory does not matter; None: nowhere)."""
+    global _recipe_folder
+    _recipe_folder = Path(folder).resolve() if folder is not None else None
+
+
+def _import_beside_recipe(mod: str, spec: str, key: str) -> Any:
+    """import_module(mod); when `mod` itself is not found and the recipe's folder holds
+    `<top>.py` or a `<top>/` package, that folder is appended to sys.path and the import retried.
+    Still not found: a RecipeError naming the key and the module, with the hint."""
+    import sys
+
+    def ours(e: ModuleNotFoundError) -> bool:  # mod (or a parent) is missing, not something it imports
+        return e.name is not None and (mod == e.name or mod.startswith(e.name + "."))
+
+    top = mod.split(".")[0]
+    try:
+        return importlib.import_module(mod)
+    except ModuleNotFoundError as e:
+        if not ours(e):
+            raise
+        missing = e.name
+    folder = _recipe_folder
+    if folder is not None and (_is_file(str(folder / f"{top}.py")) or _is_dir(str(folder / top))):
+        if str(folder) not in sys.path:
+            sys.path.append(str(folder))
+        importlib.invalidate_caches()
+        try:
+            return importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if not ours(e):
+                raise
+            missing = e.name
+    beside = f"beside the recipe ({_cut(str(folder), 200)})" if folder is not None else "beside the recipe"
+    raise RecipeError(f"{key}: cannot load {_show(spec)}: no module named {_show(missing)}; put {top}.py "
+                      f"{beside} or on PYTHONPATH")
+
+
+def resolve_callable(spec: str, key: str = "algorithm.reward", source: Optional[RewardSourceConfig] = None) -> Any:
+    """A reward (or other) function from a registry name or `module:function`; errors name `key`.
+    A registry reward gets its parameters (`tolerance`, `pattern`) from `source` (None: defaults).
+    A module that is not importable is also looked for beside the recipe (`set_recipe_folder`)."""
+    from loomrl.platform.rewards import REGISTRY, build_reward
 
     if spec in REGISTRY:
-        return REGISTRY[spec]
+        try:
+            return build_reward(spec, source)
+        except ValueError as e:  # a required parameter missing (`regex` without a pattern)
+            raise RecipeError(f"{key}: {e}") from None
     if ":" not in spec:
         raise RecipeError(f"{key}: {_show(spec)} is neither a registered reward "
                           f"({', '.join(sorted(REGISTRY))}) nor module:function")
@@ -910,7 +985,9 @@ def resolve_callable(spec: str, key: str = "algorithm.reward") -> Any:
     if not mod.strip() or mod.startswith(".") or not fn:
         raise RecipeError(f"{key}: {_show(spec)}: expected module:function with an absolute module name")
     try:
-        obj = getattr(importlib.import_module(mod), fn)
+        obj = getattr(_import_beside_recipe(mod, spec, key), fn)
+    except RecipeError:
+        raise
     except Exception as e:  # noqa: BLE001 - importing a module runs its code: any error is the recipe's
         raise RecipeError(f"{key}: cannot load {_show(spec)}: {type(e).__name__}: {_cut(str(e), 300)}") from None
     if not callable(obj):
@@ -921,13 +998,34 @@ def resolve_callable(spec: str, key: str = "algorithm.reward") -> Any:
 def validate_algorithm(a: AlgorithmConfig) -> None:
     """Checks of the reward sources (each field's range, the importance band's included, is checked
     at load)."""
+    import re
+
+    from loomrl.platform.rewards.remote import check_url
+
     names = set()
     for i, r in enumerate(a.rewards):
         key = f"algorithm.rewards[{i}]"
-        if (r.fn is None) == (r.model is None):
-            raise RecipeError(f"{key}: set exactly one of fn (a callable) and model (a reward-model folder)")
+        if sum(x is not None for x in (r.fn, r.model, r.url)) != 1:
+            raise RecipeError(f"{key}: set exactly one of fn (a callable), model (a reward-model folder) and "
+                              f"url (a reward server)")
+        if r.pattern is not None:
+            if r.fn != "regex":
+                raise RecipeError(f"{key}.pattern: only the regex reward takes a pattern (fn: regex)")
+            try:
+                re.compile(r.pattern, re.DOTALL)
+            except (re.error, RecursionError, OverflowError, ValueError) as e:
+                raise RecipeError(f"{key}.pattern: {_show(r.pattern)} is not a valid regular expression: "
+                                  f"{_cut(str(e), 200)}") from None
+        elif r.fn == "regex":
+            raise RecipeError(f"{key}.pattern: fn: regex needs a pattern (the regular expression a completion "
+                              f"must fully match)")
         if r.fn is not None:
-            resolve_callable(r.fn, f"{key}.fn")
+            resolve_callable(r.fn, f"{key}.fn", r)
+        elif r.url is not None:
+            try:
+                check_url(r.url)
+            except ValueError as e:
+                raise RecipeError(f"{key}.url: {_cut(str(e), 300)}") from None
         elif not _is_file(str(Path(r.model) / "config.json")):
             raise RecipeError(f"{key}.model: {_show(r.model)} is not a local transformers model folder "
                               f"(no config.json)")
@@ -1188,6 +1286,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), files: bool 
     recipe = _build(Recipe, data)
     # the checkpoint decides the model's sizes wherever it is readable, dry runs included
     fill_from_checkpoint(recipe.model, data.get("model"))
+    set_recipe_folder(path.parent if path is not None else None)  # `module:function` rewards beside it
     validate(recipe)
     problems = file_problems(recipe) if files else []
     if problems:

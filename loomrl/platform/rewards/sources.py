@@ -1,14 +1,22 @@
 """A run's reward: a weighted sum of sources, each a plain callable (scored per
-completion) or a learned reward model (scored in batches). Each source's scores are
-kept so the trainer can report its mean every step."""
+completion) or a batch scorer (scored in batches): a learned reward model (`models.py`)
+or a remote reward server (`remote.py`). Each source's scores are kept so the trainer can
+report its mean every step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
 from loomrl.platform.rewards.models import RewardModel
+from loomrl.platform.rewards.remote import RemoteReward
+
+
+class BatchScorer(Protocol):
+    """What scores completions in batches: RewardModel, RemoteReward."""
+
+    def score(self, completions: list[str], samples: list[dict]) -> list[float]: ...
 
 
 @dataclass
@@ -16,7 +24,8 @@ class Source:
     name: str
     weight: float
     fn: Optional[Callable[[str, dict], float]] = None
-    model: Optional[RewardModel] = None
+    model: Optional[BatchScorer] = None
+    """A batch scorer (set this or `fn`)."""
 
     def score(self, completions: list[str], samples: list[dict]) -> list[float]:
         if self.model is not None:
@@ -35,8 +44,11 @@ def build_sources(algorithm, device: torch.device | str = "cpu") -> list[Source]
         if r.model is not None:
             model = RewardModel(r.model, device, r.batch_size, r.max_length, r.label, r.with_prompt)
             sources.append(Source(r.source_name(), r.weight, model=model))
+        elif r.url is not None:
+            server = RemoteReward(r.url, r.batch_size, r.timeout_s, r.retries)
+            sources.append(Source(r.source_name(), r.weight, model=server))
         else:
-            fn = resolve_callable(r.fn, f"algorithm.rewards[{i}].fn")
+            fn = resolve_callable(r.fn, f"algorithm.rewards[{i}].fn", r)
             sources.append(Source(r.source_name(), r.weight, fn=fn))
     return sources
 

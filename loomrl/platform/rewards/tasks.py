@@ -7,7 +7,7 @@ reference `answer` (except `regex`, which checks the completion's format alone):
     exact     SQuAD-normalised exact match of the final answer
     numeric   the completion's final number vs the answer's, relative `tolerance`
     choice    the multiple-choice letter (A-J)
-    math      final answer equal as a string, as a number, or symbolically (sympy)
+    math      final answer equal as a string, as a number, or as an expression
     iou       intersection over union of the completion's first box and the answer's
     regex     1 when the stripped completion fully matches `pattern`
 
@@ -21,12 +21,20 @@ braces) a reward returns a float in [0, 1] and never raises, in time linear in a
 slice of the text: the final answer is looked for in the last MAX_SCAN characters (the
 first MAX_SCAN for `iou`'s first box), a number longer than MAX_NUMBER_CHARS is no
 number, `math` converts at most MAX_EXPR_CHARS characters with bounded exponents and
-number sizes, `regex` checks at most MAX_REGEX_CHARS. Model text is never evaluated:
-`math` tokenizes it itself (numbers, single-letter variables, + - * / ^, parentheses,
-\\frac, \\sqrt, \\cdot, \\times, \\pi) and builds the sympy expression from those tokens;
-anything else falls back to string equality. A *sample* without an answer (missing, null,
-blank), or whose answer has no number / letter / box where the reward needs one, is a
-data error: ValueError naming the sample id.
+number sizes, `regex` checks at most MAX_REGEX_CHARS. A *sample* without an answer (missing,
+null, blank), or whose answer has no number / letter / box where the reward needs one, is
+a data error: ValueError naming the sample id.
+
+`math` never evaluates model text as code (no sympify / parse_expr, which run Python's
+eval): it tokenizes the answer itself (numbers, single-letter variables, + - * / ^,
+parentheses and braces, \\frac, \\sqrt, \\cdot, \\times, \\div, \\pi), and builds each value
+from the tokens: exact rationals for constants, and for expressions with variables their
+values at three fixed points (mpmath, sympy's numeric library, at 50 digits): equal values
+there is equivalence (random identity testing: 2x+x and 3x, (x+1)^2 and x^2+2x+1). Sympy's
+own expressions are not used: their automatic evaluation took 1.6 s on a 45-character
+answer here, and evalf on unevaluated products grows exponentially with their nesting
+(99 s for 20 factors), while rewards must stay cheap whatever the model writes. Anything
+the converter does not read falls back to string equality.
 """
 from __future__ import annotations
 
@@ -45,7 +53,7 @@ MAX_SCAN = 20_000
 MAX_NUMBER_CHARS = 64
 """A number token longer than this (a 100000-digit integer, say) is not read as a number."""
 MAX_EXPR_CHARS = 200
-"""`math` converts final answers up to this long (after normalisation) to sympy."""
+"""`math` converts final answers up to this long (after normalisation) to expressions."""
 MAX_EXPONENT = 64
 """`math`: exponents are rationals p/q with |p|, q <= this."""
 MAX_WEIGHT = 10_000
@@ -303,25 +311,48 @@ def normalize_math(s: str) -> str:
     return s
 
 
+POINTS = 3
+"""`math` compares expressions with variables at this many fixed points."""
+DIGITS = 50
+"""Working precision (decimal digits) of those evaluations."""
+
+
 class _Node(NamedTuple):
-    expr: Any                  # a sympy expression, built unevaluated
     weight: int                # number bits, exponents multiplied in (bounded by MAX_WEIGHT)
     const: Optional[Fraction]  # its exact value when it is a rational constant
+    values: tuple              # its value at each point (mpmath mpc), None where undefined
+    variables: bool            # whether it has a variable
+
+
+@functools.lru_cache(maxsize=1)
+def _mp():
+    """A private mpmath context at DIGITS digits (mpmath's global one is shared)."""
+    from mpmath.ctx_mp import MPContext
+
+    ctx = MPContext()
+    ctx.dps = DIGITS
+    return ctx
+
+
+@functools.lru_cache(maxsize=512)
+def _variable_value(name: str, k: int) -> float:
+    """The value of variable `name` at point k: in +-[0.1, 2], all positive at point 0, all
+    negative at 1, mixed at 2 (a fixed pseudo-random draw per name and point)."""
+    magnitude = random.Random(f"loomrl-math-{k}-{name}").uniform(0.1, 2.0)
+    return -magnitude if k == 1 or (k == 2 and ord(name) % 2) else magnitude
 
 
 class _Converter:
-    """Recursive descent over the tokens of a normalised final answer, building sympy objects
-    directly and unevaluated (never sympify; no automatic simplification, whose assumption
-    queries can take seconds). Rational constants are also kept exactly (exponents must be
-    one). Weights are capped at MAX_WEIGHT, nesting at MAX_DEPTH."""
+    """Recursive descent over the tokens of a normalised final answer. Model text is never
+    evaluated as code: each node is built from its tokens as an exact rational (constants)
+    and its values at POINTS fixed points of the variables (mpmath, DIGITS digits). Weights
+    are capped at MAX_WEIGHT, nesting at MAX_DEPTH, so work and memory stay bounded."""
 
     MAX_DEPTH = 40
     _ATOM_START = ("(", "{", "[", "\\frac", "\\sqrt", "\\pi")
 
     def __init__(self, text: str):
-        import sympy
-
-        self.sp = sympy
+        self.mp = _mp()
         self.tokens: list[str] = []
         pos = 0
         for m in _MATH_TOKEN.finditer(text):
@@ -358,21 +389,26 @@ class _Converter:
 
     def number(self, value: Fraction) -> _Node:
         bits = value.numerator.bit_length() + value.denominator.bit_length() + 1
-        return _Node(self.sp.Rational(value.numerator, value.denominator), self.weighed(bits), value)
+        v = self.mp.mpc(self.mp.mpf(value.numerator) / value.denominator)
+        return _Node(self.weighed(bits), value, (v,) * POINTS, False)
+
+    def combine(self, a: _Node, b: _Node, op: Callable) -> _Node:
+        values = tuple(None if x is None or y is None else op(x, y) for x, y in zip(a.values, b.values))
+        return _Node(self.weighed(a.weight + b.weight), None, values, a.variables or b.variables)
 
     def add(self, a: _Node, b: _Node, sign: int = 1) -> _Node:
         if a.const is not None and b.const is not None:
             return self.number(a.const + sign * b.const)
-        rhs = b.expr if sign > 0 else self.sp.Mul(-1, b.expr, evaluate=False)
-        return _Node(self.sp.Add(a.expr, rhs, evaluate=False), self.weighed(a.weight + b.weight), None)
+        return self.combine(a, b, (lambda x, y: x + y) if sign > 0 else (lambda x, y: x - y))
 
     def mul(self, a: _Node, b: _Node, divide: bool = False) -> _Node:
         if divide and b.const == 0:
             raise _Unsupported("division by zero")
         if a.const is not None and b.const is not None:
             return self.number(a.const / b.const if divide else a.const * b.const)
-        rhs = self.sp.Pow(b.expr, -1, evaluate=False) if divide else b.expr
-        return _Node(self.sp.Mul(a.expr, rhs, evaluate=False), self.weighed(a.weight + b.weight), None)
+        if divide:
+            return self.combine(a, b, lambda x, y: None if y == 0 else x / y)
+        return self.combine(a, b, lambda x, y: x * y)
 
     def pow(self, base: _Node, exponent: Optional[Fraction]) -> _Node:
         if exponent is None or abs(exponent.numerator) > MAX_EXPONENT or exponent.denominator > MAX_EXPONENT:
@@ -382,17 +418,18 @@ class _Converter:
         weight = self.weighed(base.weight * max(1, abs(exponent.numerator)))
         if base.const is not None and exponent.denominator == 1:
             return self.number(base.const ** exponent.numerator)
-        rational = self.sp.Rational(exponent.numerator, exponent.denominator)
-        return _Node(self.sp.Pow(base.expr, rational, evaluate=False), weight, None)
+        e = exponent.numerator if exponent.denominator == 1 else self.mp.mpf(exponent.numerator) / exponent.denominator
+        values = tuple(None if v is None or (v == 0 and exponent < 0) else self.mp.power(v, e) for v in base.values)
+        return _Node(weight, None, values, base.variables)
 
     # -- grammar: expr := term (+|- term)*; term := unary ((*|/|implicit) unary)*;
     #    unary := (+|-) unary | power; power := atom (^ [-] atom)*
 
-    def parse(self) -> Any:
+    def parse(self) -> _Node:
         node = self.expr()
         if self.peek() is not None:
             raise _Unsupported(self.peek())
-        return node.expr
+        return node
 
     def expr(self) -> _Node:
         self.depth += 1
@@ -457,13 +494,13 @@ class _Converter:
                 raise _Unsupported("number too long")
             return self.number(Fraction(tok))
         if len(tok) == 1 and tok.isalpha():
-            return _Node(self.sp.Symbol(tok), 1, None)
+            return _Node(1, None, tuple(self.mp.mpc(_variable_value(tok, k)) for k in range(POINTS)), True)
         if tok in ("(", "[", "{"):
             node = self.expr()
             self.take({"(": ")", "[": "]", "{": "}"}[tok])
             return node
         if tok == "\\pi":
-            return _Node(self.sp.pi, 2, None)
+            return _Node(2, None, (self.mp.mpc(self.mp.pi),) * POINTS, False)
         if tok == "\\frac":
             num = self.group()
             return self.mul(num, self.group(), divide=True)
@@ -480,43 +517,36 @@ class _Converter:
         raise _Unsupported(tok)
 
 
-def to_sympy(text: str) -> Any:
-    """A normalised final answer as an (unevaluated) sympy expression, or None when the safe
-    converter does not read it (longer than MAX_EXPR_CHARS, an unknown token or command, an
-    exponent that is no small rational, too large)."""
+def _parse_math(text: str) -> Optional[_Node]:
+    """A normalised final answer read by the safe converter, or None when it does not read it
+    (longer than MAX_EXPR_CHARS, an unknown token or command, an exponent that is no small
+    rational, too large)."""
     if len(text) > MAX_EXPR_CHARS:
         return None
     try:
         return _Converter(text).parse()
     except _Unsupported:
         return None
-    except Exception:  # noqa: BLE001 - sympy may raise anything on odd input: then it is unread
+    except (ArithmeticError, ValueError, RecursionError):  # mpmath on an odd value: then it is unread
         return None
 
 
-def _equivalent(a: Any, b: Any, tolerance: float) -> bool:
-    """a == b as expressions, by random identity testing: their values agree at three fixed
-    points of their variables, to 1e-12 relative (to `tolerance` when neither has variables:
-    then they are numbers, compared as `numeric` does). Evaluation is numeric (evalf, 30
-    digits), never simplify/expand, whose cost is unbounded. Points where either side is
-    undefined are skipped; two must agree."""
-    import sympy
-
-    if a == b:
-        return True
-    names = sorted({s.name for s in a.free_symbols | b.free_symbols})
-    rel = 1e-12 if names else tolerance
-    bad = (sympy.zoo, sympy.nan, sympy.oo, -sympy.oo)
+def _equivalent(a: _Node, b: _Node, tolerance: float) -> bool:
+    """Two converted expressions are equal: exactly, when both are rational constants; else by
+    their values at the POINTS fixed points (random identity testing): within `tolerance`
+    (relative, plus ABS_TOL) when neither has a variable (they are numbers, compared as
+    `numeric` does), else to 1e-15 relative; points where either is undefined are skipped,
+    and at least two must agree."""
+    if a.const is not None and b.const is not None:
+        return abs(a.const - b.const) <= Fraction(tolerance) * max(abs(a.const), abs(b.const)) + Fraction(ABS_TOL)
+    mp = _mp()
+    variables = a.variables or b.variables
+    rel, floor = (mp.mpf("1e-15"), 1) if variables else (mp.mpf(tolerance), 0)
     agreed = 0
-    for k in range(3):  # all positive, all negative, mixed signs
-        rng = random.Random(f"loomrl-math-{k}")
-        point = {sympy.Symbol(n): sympy.Float(rng.uniform(0.1, 2.0) * (-1 if k == 1 or (k == 2 and j % 2) else 1), 30)
-                 for j, n in enumerate(names)}
-        va, vb = a.evalf(30, subs=point), b.evalf(30, subs=point)
-        if not (va.is_number and vb.is_number) or va.has(*bad) or vb.has(*bad):
+    for va, vb in zip(a.values, b.values):
+        if va is None or vb is None or not (mp.isfinite(va) and mp.isfinite(vb)):
             continue
-        scale = max(sympy.Integer(1), abs(va), abs(vb)) if names else max(abs(va), abs(vb))
-        if not bool(abs(va - vb) <= sympy.Float(rel, 30) * scale + (0 if names else ABS_TOL)):
+        if abs(va - vb) > rel * max(floor, abs(va), abs(vb)) + (0 if variables else ABS_TOL):
             return False
         agreed += 1
     return agreed >= 2
@@ -524,20 +554,20 @@ def _equivalent(a: Any, b: Any, tolerance: float) -> bool:
 
 def math_equal(got: str, ref: str, tolerance: float = 1e-4) -> bool:
     """Two final answers are equal: as normalised strings, as numbers (within `tolerance`),
-    or symbolically (see `_equivalent`)."""
+    or as expressions (`_equivalent`)."""
     got, ref = normalize_math(got), normalize_math(ref)
     if got == ref:
         return True
     a, b = _whole_number(got), _whole_number(ref)
     if a is not None and b is not None:
         return _close(a, b, tolerance)
-    ea = to_sympy(got)
-    eb = to_sympy(ref) if ea is not None else None
+    ea = _parse_math(got)
+    eb = _parse_math(ref) if ea is not None else None
     if ea is None or eb is None:
         return False
     try:
         return _equivalent(ea, eb, tolerance)
-    except Exception:  # noqa: BLE001 - sympy's evaluation may raise anything on odd input: unequal
+    except (ArithmeticError, ValueError):  # a comparison mpmath cannot make: not shown equal
         return False
 
 
