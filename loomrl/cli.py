@@ -72,6 +72,13 @@ def cmd_run(args) -> int:
         print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
+        from loomrl.platform.parts import check_text_parts
+
+        try:
+            check_text_parts(recipe)  # the tokenizer, chat template and checkpoint's media tokens, as a run
+        except R.RecipeError as e:
+            print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
+            return 2
         print(R.dump(recipe), end="")
         for problem in R.file_problems(recipe):  # a recipe for another machine names its paths
             print(f"# note: not on this machine: {problem}", file=sys.stderr)

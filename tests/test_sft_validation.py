@@ -34,29 +34,40 @@ def _sft(tmp_path, shards, out, *extra):
                  "checkpoint.every=4", "logging.tensorboard=false", *extra])
 
 
-def test_sft_trains_answers_and_validates(tmp_path, shards, capsys):
-    assert _sft(tmp_path, shards, "sft") == 0
-    rows = _rows(tmp_path / "sft")
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, shards):
+    """One uninterrupted SFT run, and what it printed."""
+    import contextlib
+    import io
+
+    folder = tmp_path_factory.mktemp("sft")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert _sft(folder, shards, "sft") == 0
+    return folder / "sft", printed.getvalue()
+
+
+def test_sft_trains_answers_and_validates(tmp_path, shards, sft_run):
+    run, printed = sft_run
+    rows = _rows(run)
     assert [r["step"] for r in rows] == list(range(8))
     assert rows[-1]["loss"] < rows[0]["loss"] and all(r["answer_tokens"] > 16 for r in rows)
     assert "reward_mean" not in rows[0]  # no rollouts, no training reward
     # validation before steps 0 and 4 (in their rows), and once more at the end (summary)
     assert [r["step"] for r in rows if "val_reward_mean" in r] == [0, 4]
-    summary = json.loads((tmp_path / "sft" / "summary.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
     assert [v["step"] for v in summary["validation"]] == [0, 4, 8]
     for v in summary["validation"]:
         assert 0.0 <= v["val_reward_mean"] <= 1.0 and 1 <= v["val_response_len"] <= 16
-    printed = capsys.readouterr().out
     assert "SFT steps       8" in printed and "validation reward: step 0" in printed and "MET" in printed
     # the goal reads the validation reward: an unreachable one is missed (exit 3)
-    assert _sft(tmp_path, shards, "sft-goal", "goal.min_final=1.01") == 3
+    assert _sft(tmp_path, shards, "sft-goal", "goal.min_final=1.01", "training.steps=1") == 3
 
 
-def test_sft_resumes_exactly(tmp_path, shards):
-    assert _sft(tmp_path, shards, "whole") == 0
+def test_sft_resumes_exactly(tmp_path, shards, sft_run):
     assert _sft(tmp_path, shards, "parts", "--max-steps", "4") == 0
     assert _sft(tmp_path, shards, "parts", "--resume") == 0
-    whole, parts = _rows(tmp_path / "whole"), _rows(tmp_path / "parts")
+    whole, parts = _rows(sft_run[0]), _rows(tmp_path / "parts")
     assert [r["loss"] for r in whole] == [r["loss"] for r in parts]
     assert [r.get("val_reward_mean") for r in whole] == [r.get("val_reward_mean") for r in parts]
 

@@ -15,7 +15,7 @@ two of one field's keys in one line are a `bad-line`, naming both):
 - prompt: `prompt`, `question`, `query` or `instruction`; a non-empty string.
 - answer: `answer`; optional; a string, a number (stored as its string) or a
   non-empty list of strings (the first is the answer, the whole list goes to
-  meta as `answers`).
+  meta as `answers`; a list of 4 numbers is a box, stored as the string `[x1, y1, x2, y2]`).
 - images: `images` or `image`; audio: `audio` or `audios`. Each a list of
   paths or one path string (null: none), relative to the manifest's folder.
 
@@ -255,7 +255,10 @@ def parse_line(raw: bytes, where: str, base: str, options: ReadOptions = ReadOpt
 
     answer = values.get("answer", (None, None))[1]
     answers = None
-    if isinstance(answer, list):
+    if isinstance(answer, list) and len(answer) == 4 and all(
+            isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in answer):
+        answer = json.dumps(answer)  # a grounding box [x1, y1, x2, y2] (the `iou` reward reads it)
+    elif isinstance(answer, list):
         if not answer or not all(isinstance(a, str) for a in answer):
             return bad(f"field {key_of('answer')} must be a non-empty list of strings when a list",
                        sample_id)

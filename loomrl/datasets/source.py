@@ -43,6 +43,7 @@ class PromptSource:
         self.require_answer = False  # supervised use: a sample without an answer is skipped (and counted)
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.skipped: list[tuple[str, str]] = []
+        self._warned: set[tuple[str, str]] = set()
         self.served = 0
         self.skipped_before = 0  # skipped before a resume (the list holds this process's)
         self._media: OrderedDict[str, Medium] = OrderedDict()
@@ -61,8 +62,11 @@ class PromptSource:
         return m
 
     def _skip(self, where: str, why: str) -> None:
+        """Count a skipped sample; warn the first time it is met (epochs meet it again)."""
+        if (where, why) not in self._warned:
+            self._warned.add((where, why))
+            log.warning("warning: skipping %s: %s", where, why)
         self.skipped.append((where, why))
-        log.warning("warning: skipping %s: %s", where, why)
 
     def _prepare(self, rec: dict) -> Optional[PromptSample]:
         if "error" in rec:  # the stream could not read this sample from its shard

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from loomrl.platform import recipe as R
+from loomrl.platform.checkpoint import _fsync, latest_checkpoint, load_checkpoint
 
 log = logging.getLogger("loomrl")
 
@@ -55,8 +56,6 @@ _STORED = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint folder (`step-N`); a run folder or its `checkpoints/`: the newest checkpoint."""
-    from loomrl.platform.checkpoint import latest_checkpoint
-
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path}: not a checkpoint folder (RUN/checkpoints/step-N) nor a run folder")
@@ -126,7 +125,6 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | torch.dtype | No
     dtype: "float32" / "bfloat16" (None: the checkpoint's). modality: "image", "audio" or
     "text" (None: init_from's). overwrite: replace an existing non-empty `out`."""
     from loomrl.platform.backbone.hf_io import export_policy
-    from loomrl.platform.checkpoint import load_checkpoint
     from loomrl.platform.parts import build_policy_parts
 
     checkpoint, out = resolve_checkpoint(Path(checkpoint)), Path(out)
@@ -329,11 +327,3 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

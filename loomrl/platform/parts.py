@@ -41,16 +41,42 @@ def shard_files(recipe: R.Recipe) -> list[str]:
     return files
 
 
+def text_parts(recipe: R.Recipe):
+    """(tokenizer, chat format) of the recipe, checked against the checkpoint without building the
+    model: the tokenizer loads, the chat template renders, the checkpoint's media tokens are the
+    tokenizer's. Anything wrong is a RecipeError naming the key (`--dry-run` runs this too)."""
+    from loomrl.encoders.hf_checkpoint import read_config
+    from loomrl.platform.backbone.chat import ChatFormat
+    from loomrl.platform.backbone.tokenizer import load_tokenizer, media_layout
+
+    m = recipe.model
+    try:
+        tokenizer = load_tokenizer(m.tokenizer)
+    except (OSError, ValueError) as e:
+        raise R.RecipeError(f"model.tokenizer: cannot load {m.tokenizer!r}: {e}") from None
+    if m.init_from is not None:
+        try:
+            media_layout(tokenizer, read_config(m.init_from), f"{m.init_from}/config.json")
+        except ValueError as e:
+            raise R.RecipeError(f"model.tokenizer: {m.tokenizer!r} does not fit model.init_from: {e}") from None
+    return tokenizer, ChatFormat(tokenizer, recipe.data)
+
+
+def check_text_parts(recipe: R.Recipe) -> None:
+    """`text_parts` where its files are on this machine (a recipe for a cluster: nothing)."""
+    m = recipe.model
+    if (m.tokenizer == "demo" or Path(m.tokenizer).is_dir()) and (
+            m.init_from is None or (Path(m.init_from) / "config.json").is_file()):
+        text_parts(recipe)
+
+
 def build_policy_parts(recipe: R.Recipe, seed: Optional[int] = None):
     """(tokenizer, chat format, policy): the policy built from the recipe's model section
     (`seed`: its random initialisation, default training.seed), its completions ending where the
     chat format says (the template's end-of-turn, else the tokenizer's EOS)."""
-    from loomrl.platform.backbone.chat import ChatFormat
-    from loomrl.platform.backbone.tokenizer import load_tokenizer
     from loomrl.platform.backbone.vlm import build_policy
 
-    tokenizer = load_tokenizer(recipe.model.tokenizer)
-    chat = ChatFormat(tokenizer, recipe.data)
+    tokenizer, chat = text_parts(recipe)
     model = build_policy(recipe.model, tokenizer, recipe.training.seed if seed is None else seed)
     if chat.stop_token_id != model.eos_token_id:
         model.set_stop_token(chat.stop_token_id)

@@ -28,6 +28,19 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in pts], [v for _, v in pts]
 
 
+def _final_validation(run_dir: Path, rows: list[dict]) -> list[dict]:
+    """The validation after the last step, which only summary.json holds (rows carry the ones
+    before their step)."""
+    import json
+
+    try:
+        validations = json.loads((run_dir / "summary.json").read_text()).get("validation") or []
+        last = validations[-1]
+        return [last] if last["step"] > rows[-1]["step"] and _number(last.get("val_reward_mean")) else []
+    except (OSError, ValueError, AttributeError, IndexError, KeyError, TypeError):
+        return []  # no summary (a run still going), or one from another version: the rows alone
+
+
 def write_report(run_dir: Path) -> Path:
     import matplotlib
 
@@ -61,8 +74,8 @@ def write_report(run_dir: Path) -> Path:
             if xs:
                 ax.plot(xs, vals, alpha=0.35, label="per step")
                 ax.plot(xs, _smooth(vals), label="10-step mean")
-            if key == "reward_mean":  # the held-out split, where the run validates
-                vx, vv = _series(rows, "val_reward_mean")
+            if key == "reward_mean":  # the held-out split, where the run validates (the final one: summary)
+                vx, vv = _series(rows + _final_validation(run_dir, rows), "val_reward_mean")
                 if vx:
                     ax.plot(vx, vv, "o-", label="validation")
             ax.legend()

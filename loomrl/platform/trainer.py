@@ -216,7 +216,12 @@ class Trainer:
         params = [p for p in model.parameters() if p.requires_grad]
         params += list(self.value_head.parameters()) if self.value_head is not None else []
         self.engine = build_engine(r, model, params)
-        self.source = NoRollouts() if self.sft else self.build_source()
+        if self.sft:
+            from loomrl.platform.trajectory.sources import NoRollouts
+
+            self.source = NoRollouts()
+        else:
+            self.source = self.build_source()
         if ckpt_state is not None and warmup_from is None:
             self.load_state_dict(ckpt_state, engine_state)
         self.log = MetricsLog(out, "metrics.jsonl", r.logging.tensorboard) if self.writer else NoLog()
@@ -329,6 +334,18 @@ class Trainer:
         if not samples:
             raise R.RecipeError(f"validation.shards: no usable sample in {len(files)} shard(s) "
                                 f"({len(source.skipped)} skipped, see the warnings above)")
+        if len(samples) < r.validation.samples:
+            log.warning("[run] validation.samples: %d asked for, the split has %d usable", r.validation.samples,
+                        len(samples))
+        from loomrl.platform.rewards import RewardError
+
+        records = [s.record for s in samples]
+        for source in self.reward_fn:  # what each reward reads (the answer) is there, before any training
+            if source.fn is not None:
+                try:
+                    source.score([""] * len(records), records)
+                except RewardError as e:
+                    raise R.RecipeError(f"validation.shards: {e}") from None
         return samples
 
     @torch.no_grad()
@@ -552,6 +569,7 @@ class Trainer:
     def train(self) -> RunResult:
         from tqdm import tqdm
 
+        from loomrl.platform.rewards import RewardError
         from loomrl.platform.trajectory.sources import WorkerDied
 
         r, ck = self.recipe, self.recipe.checkpoint
@@ -581,7 +599,7 @@ class Trainer:
                         raise Interrupted(step + 1, self.save())
                     if ck.every and self.step_count % ck.every == 0 and self.step_count < end:
                         self.save()
-            except WorkerDied as e:
+            except (WorkerDied, RewardError) as e:  # the step is abandoned; the run stops with a checkpoint
                 error = str(e)
             if error is None:  # the checkpoint holds the rollout side's state, so save before it stops
                 path = self.save()
@@ -731,44 +749,15 @@ class Trainer:
             lines.append(f"trajectories    generated {c['generated']} = trained {c['trained']} + dropped "
                          f"{c['dropped']} {c['dropped_by_reason'] or ''}+ pending {c['pending']}")
         lines += self.source.summary_lines()
-        lines += [f"outputs         {self.out}/metrics.jsonl, tensorboard/, {ckpt.relative_to(self.out)}",
+        tensorboard = "tensorboard/, " if r.logging.tensorboard else ""
+        lines += [f"outputs         {self.out}/metrics.jsonl, {tensorboard}{ckpt.relative_to(self.out)}",
                   f"plot            loomrl report {self.out}"]
         if error:
-            lines.append(f"error: {error}; run stopped at RL step {self.step_count} with checkpoint {ckpt}")
+            lines.append(f"error: {error}; run stopped at step {self.step_count} with checkpoint {ckpt}")
         elif self.step_count < r.training.steps:
-            lines.append(f"stopped at RL step {self.step_count} of {r.training.steps} (--max-steps); "
+            lines.append(f"stopped at step {self.step_count} of {r.training.steps} (--max-steps); "
                          f"continue with --resume")
         return "\n".join(lines)
-
-
-class NoRollouts:
-    """The trajectory source of a supervised run: no rollouts, nothing to account for."""
-
-    sync_every_update = False
-
-    def weights_updated(self, version: int) -> None:
-        pass
-
-    def accounting(self) -> dict:
-        return {"generated": 0, "trained": 0, "dropped": 0, "pending": 0, "dropped_by_reason": {}}
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def finish(self, error: Optional[str]) -> None:
-        pass
-
-    def report(self) -> dict:
-        return {}
-
-    def summary_lines(self) -> list[str]:
-        return []
-
-    def close(self) -> None:
-        pass
 
 
 class NoLog:

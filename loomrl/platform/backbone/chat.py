@@ -40,8 +40,8 @@ class ChatFormat:
         self.system_prompt = data.system_prompt
         self.template = self._template(tokenizer, data.chat_template)
         if self.template is None and self.system_prompt:
-            raise RecipeError("data.system_prompt: needs a chat template to be placed in, but data.chat_template is "
-                              f"{data.chat_template!r} and the tokenizer has none")
+            why = "is 'none'" if data.chat_template == "none" else "is 'auto' and the tokenizer has none"
+            raise RecipeError(f"data.system_prompt: needs a chat template to be placed in, but data.chat_template {why}")
         self.stop_token_id = tokenizer.eos_token_id if self.template is None else self._end_of_turn()
 
     @staticmethod

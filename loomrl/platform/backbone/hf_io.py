@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from loomrl.encoders.hf_checkpoint import read_config, read_tensors, safetensors_files
+from loomrl.encoders.hf_checkpoint import read_config, read_tensors
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
 
 SUPPORTED = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_audio")

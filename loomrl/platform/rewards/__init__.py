@@ -26,10 +26,16 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from loomrl.platform.rewards.tasks import PARAMETERS, TASK_REWARDS
+from loomrl.platform.rewards.tasks import TASK_REWARDS
 from loomrl.platform.rewards.tasks import build_reward as _build_task_reward
 
 _SLOT = re.compile(r"^\{(\w+)\}$")
+
+
+class RewardError(RuntimeError):
+    """A reward that cannot be computed (a sample without the answer its reward reads, a value that
+    is not a finite number, a reward server that does not answer): the message names the source and
+    the sample. The run stops with a checkpoint of its last whole step and says so."""
 
 
 def slot_match(completion: str, sample: dict) -> float:
@@ -59,9 +65,9 @@ REGISTRY: dict[str, Callable[..., float]] = {"slot_match": slot_match, "exact_ma
 
 
 def build_reward(name: str, cfg: Any = None) -> Callable[[str, dict], float]:
-    """The registry reward `name`, with its parameters (PARAMETERS: `tolerance`, `pattern`)
+    """The registry reward `name`, with its parameters (tasks.PARAMETERS: `tolerance`, `pattern`)
     read from `cfg` (a reward source's config; None: defaults). ValueError when a required
     parameter is missing or a pattern does not compile; KeyError for an unknown name."""
-    if name in PARAMETERS:
+    if name in TASK_REWARDS:
         return _build_task_reward(name, cfg)
     return REGISTRY[name]

@@ -31,6 +31,8 @@ import time
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
+from loomrl.platform.rewards import RewardError
+
 log = logging.getLogger("loomrl")
 
 MAX_REPLY_BYTES = 16 * 2**20
@@ -39,7 +41,7 @@ MAX_BACKOFF_S = 5.0
 """The longest wait between two attempts."""
 
 
-class RemoteRewardError(RuntimeError):
+class RemoteRewardError(RewardError):
     """A reward server that could not score a batch: the message names the URL."""
 
 

@@ -4,11 +4,14 @@ or a remote reward server (`remote.py`). Each source's scores are kept so the tr
 report its mean every step."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 import torch
 
+from loomrl.platform.rewards import RewardError
 from loomrl.platform.rewards.models import RewardModel
 from loomrl.platform.rewards.remote import RemoteReward
 
@@ -28,9 +31,22 @@ class Source:
     """A batch scorer (set this or `fn`)."""
 
     def score(self, completions: list[str], samples: list[dict]) -> list[float]:
+        """One finite float per completion, or a RewardError naming this source and the sample."""
         if self.model is not None:
             return self.model.score(completions, samples)
-        return [float(self.fn(c, s)) for c, s in zip(completions, samples)]
+        out = []
+        for c, s in zip(completions, samples):
+            try:
+                value = self.fn(c, s)
+            except RewardError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a reward is user code: any failure is named, never a traceback
+                raise RewardError(f"reward {self.name!r} on sample {s.get('id')!r}: {type(e).__name__}: {e}") from None
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise RewardError(f"reward {self.name!r} on sample {s.get('id')!r} returned {value!r}, "
+                                  f"not a finite number")
+            out.append(float(value))
+        return out
 
 
 def build_sources(algorithm, device: torch.device | str = "cpu") -> list[Source]:

@@ -693,4 +693,22 @@ def build_reward(name: str, cfg: Any = None) -> Callable[[str, dict], float]:
             _compiled(params["pattern"])
         except (re.error, TypeError, ValueError, OverflowError, RecursionError) as e:
             raise ValueError(f"pattern {_cut(params['pattern'])} does not compile: {e}") from None
-    return functools.partial(fn, **params) if params else fn
+    fn = functools.partial(fn, **params) if params else fn
+    return _best_of_answers(fn) if name in ANY_ANSWER else fn
+
+
+ANY_ANSWER = ("exact", "numeric", "choice", "math")
+"""Rewards that also accept any of a sample's `meta.answers` (VQA sets list several)."""
+
+
+def _best_of_answers(fn: Callable[[str, dict], float]) -> Callable[[str, dict], float]:
+    """fn scored against each of the sample's `meta.answers` (at most 32) when it lists more than
+    one; the best score counts."""
+    def scored(completion: str, sample: dict) -> float:
+        meta = sample.get("meta") if isinstance(sample, dict) else None
+        answers = meta.get("answers") if isinstance(meta, dict) else None
+        if isinstance(answers, list) and len(answers) > 1 and all(isinstance(a, str) for a in answers):
+            return max(fn(completion, {**sample, "answer": a}) for a in answers[:32])
+        return fn(completion, sample)
+
+    return scored

@@ -140,20 +140,14 @@ def unpack_batches(buf: torch.Tensor) -> tuple[list[list[Trajectory]], dict]:
     return batches, meta
 
 
-class FollowerSource:
-    """Trainer ranks > 0 of a disaggregated run: rank 0 (`LeaderSource`) broadcasts what
-    it admits; a broadcast carrying `stop` ends the run here too."""
+class NoRollouts:
+    """A source with no rollouts of its own and nothing to account for: a supervised run
+    (`algorithm.name: sft`), and the base of `FollowerSource`."""
 
-    sync_every_update = True  # rank 0 sends weights after every update: the export is collective
-
-    def __init__(self, group=None):
-        self.group = group
+    sync_every_update = False
 
     def admit(self, step: int, version: int) -> list[list[Trajectory]]:
-        batches, meta = unpack_batches(broadcast_message(None, 0, self.group))
-        if meta.get("stop"):
-            raise WorkerDied(meta["stop"])
-        return batches
+        raise RuntimeError("this trajectory source has no rollouts")
 
     def weights_updated(self, version: int) -> None:
         pass
@@ -181,6 +175,22 @@ class FollowerSource:
 
     def close(self) -> None:
         pass
+
+
+class FollowerSource(NoRollouts):
+    """Trainer ranks > 0 of a disaggregated run: rank 0 (`LeaderSource`) broadcasts what
+    it admits; a broadcast carrying `stop` ends the run here too. The books are rank 0's."""
+
+    sync_every_update = True  # rank 0 sends weights after every update: the export is collective
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def admit(self, step: int, version: int) -> list[list[Trajectory]]:
+        batches, meta = unpack_batches(broadcast_message(None, 0, self.group))
+        if meta.get("stop"):
+            raise WorkerDied(meta["stop"])
+        return batches
 
 
 class LeaderSource:
