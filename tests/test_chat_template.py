@@ -58,7 +58,7 @@ def test_media_expand_inside_the_turn_and_padding_is_never_sampled(tmp_path):
 
     _qwen2_vl(tmp_path, words=["system", "user", "assistant", "what", "cat"], chat_template=CHAT_TEMPLATE)
     # sizes and tokenizer come from the checkpoint, the chat template from its tokenizer (`auto`)
-    recipe = R.load_recipe(None, [f"model.init_from={tmp_path}"])
+    recipe = R.load_recipe(None, [f"model.init_from={tmp_path}"], files=False)
     tok, chat, model = build_policy_parts(recipe)
     end, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     assert model.eos_token_id == end
