@@ -87,7 +87,8 @@ def test_dry_run_reports_a_conflict_and_accepts_the_clean_recipe(qwen2_vl, tmp_p
     err = capsys.readouterr().err
     assert f"model.num_heads: 4 conflicts with {folder}/config.json (num_attention_heads: 2)" in err
     assert "Traceback" not in err and "recipe OK" not in err
-    recipe.write_text(f"name: mine\nmodel:\n  init_from: {folder}\n")
+    # demo shards named (made when a run starts): no note about data missing on this machine
+    recipe.write_text(f"name: mine\nmodel:\n  init_from: {folder}\ndata:\n  shards: {tmp_path}/d-*.tar\n  demo: {{}}\n")
     assert main(["run", str(recipe), "--dry-run"]) == 0
     out, err = capsys.readouterr()
     assert "recipe OK" in err and "note:" not in err
