@@ -1,4 +1,4 @@
-"""The `loomrl` command line: run, report, export, recipe, shards, bench."""
+"""The `loomrl` command line: run, report, export, recipe, plan, shards, bench."""
 from __future__ import annotations
 
 import argparse
@@ -238,6 +238,39 @@ def cmd_recipe(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Per-rank GPU memory of a recipe by kind (loomrl.platform.plan): 0 fits, 3 does not fit, 2 an error."""
+    from loomrl.platform import recipe as R
+    from loomrl.platform.plan import PlanError, plan_recipe, report
+
+    try:
+        plan = plan_recipe(args.recipe, args.overrides, args.gpu_memory, args.seq_len, args.fused_attention)
+    except (R.RecipeError, PlanError) as e:
+        print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
+        return 2
+    report(plan, args.json)
+    return 0 if plan.fits else 3
+
+
+def positive_gib(text: str) -> float:
+    """--gpu-memory: a finite number of GiB > 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0, got {text!r}") from None
+    if not (0 < x < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0, got {text}")
+    return x
+
+
+def positive_int(text: str) -> int:
+    """--seq-len: an integer >= 1."""
+    n = steps_count(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
 # Command groups with their own parsers, in the module that owns the idea.
 GROUPS = {
     "shards": ("loomrl.datasets.cli", "prepare, verify and inspect webdataset shards"),
@@ -293,10 +326,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("recipe", help="print the recipe reference (every key, type, default)")
     p.add_argument("--out", metavar="FILE", help="write it to FILE (docs/recipe.md) with a generated-file header")
     p.set_defaults(fn=cmd_recipe)
+    p = sub.add_parser("plan", help="per-rank GPU memory of a recipe (weights, gradients, optimizer, activations, "
+                                    "rollout) and whether it fits; exit 0 fits, 3 does not fit, 2 error")
+    p.add_argument("recipe", help="YAML recipe file")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides (YAML values)")
+    p.add_argument("--json", action="store_true", help="also print the plan as one JSON object, the last line")
+    p.add_argument("--gpu-memory", type=positive_gib, default=80.0, metavar="GIB",
+                   help="memory of one GPU in GiB (default 80)")
+    p.add_argument("--seq-len", type=positive_int, metavar="N",
+                   help="tokens per trained sequence (default: rollout.vllm.max_model_len with vLLM rollouts, "
+                        "else 512 + rollout.max_new_tokens)")
+    p.add_argument("--fused-attention", action="store_true",
+                   help="plan activations without the attention score matrix (a fused SDPA / flash kernel)")
+    p.set_defaults(fn=cmd_plan)
     # Overrides may come after options (`run R.yaml --out D a.b=1`): collect them.
     args, extra = ap.parse_known_args(argv)
     if extra:
-        if args.command != "run" or any(x.startswith("-") or "=" not in x for x in extra):
+        if args.command not in ("run", "plan") or any(x.startswith("-") or "=" not in x for x in extra):
             ap.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = args.overrides + extra
     return args.fn(args)

@@ -5,8 +5,9 @@ tests/engines_worker.py {deepspeed|megatron} SHARD_DIR OUT.json`.
 It trains the demo model (tiny) with the real GRPO loss on fixed micro-batches built from
 demo shards: the torch engine in each process as the reference, then the engine under
 test for the same steps, then a stop/resume (state saved to a file, fresh policy from the
-exported weights, fresh engine, state loaded) next to the uninterrupted run. Rank 0
-writes every loss and grad norm to OUT.json; the tests compare them.
+exported weights, fresh engine, state loaded) next to the uninterrupted run; last, the
+memory tools (frozen parts + activation checkpointing) against the torch engine with the
+same parts frozen. Rank 0 writes every loss and grad norm to OUT.json; the tests compare them.
 """
 from __future__ import annotations
 
@@ -93,6 +94,46 @@ def rank_agreement(trajs, rank) -> dict:
     return {"same_checked": int(flags[0]), "differing_refused": int(flags[1]), "error": error}
 
 
+# Memory tools: parts frozen and activation checkpointing on; the reference is the torch engine
+# with the same parts frozen (no checkpointing). Megatron freezes its embeddings too (a layer
+# input without grad under its reentrant recompute) and runs tensor-parallel.
+MEMORY = {"deepspeed": ("zero3_memory", {"deepspeed.zero_stage": 3}, ["vision", "merger"]),
+          "megatron": ("tp2_memory", {"megatron.tensor_parallel": 2}, ["vision", "merger", "embeddings"])}
+
+
+def memory_tools(which, recipe, policy, batches, loss_fn, build) -> dict:
+    name, settings, parts = MEMORY[which]
+    frozen_policy = copy.deepcopy(policy)
+    frozen_policy.freeze(parts)
+    ref = copy.deepcopy(frozen_policy)
+    out = {"torch_frozen": train(TorchTrainEngine(ref, recipe.training), batches, loss_fn, hook_for=recipe)}
+    cfg = copy.deepcopy(recipe.training)
+    cfg.activation_checkpointing, cfg.freeze = True, parts
+    for key, value in settings.items():
+        section, field = key.split(".")
+        setattr(getattr(cfg, section), field, value)
+    trained = copy.deepcopy(frozen_policy)
+    trained.set_activation_checkpointing(True)
+    engine = build(cfg, trained)
+    out[name] = train(engine, batches, loss_fn, hook_for=recipe)
+    # the engine's optimizer: no frozen weight, every trainable one (by identity in its own model)
+    engine_parts = engine.model.parameter_parts()
+    frozen_ids = {id(q) for part in parts for q in engine_parts[part]}
+    trainable_ids = {id(q) for q in engine.model.parameters() if q.requires_grad}
+    optimised = {id(q) for q in engine.params}
+    out[name + "_optimizer"] = {"frozen_in": len(optimised & frozen_ids), "frozen": len(frozen_ids),
+                                "trainable_missing": len(trainable_ids - optimised),
+                                "extra": len(optimised - trainable_ids)}
+    exported = dict(engine.export_weights())
+    start = policy.state_dict()
+    names = {n for n, q in policy.named_parameters()
+             if any(q is f for part in parts for f in policy.parameter_parts()[part])}
+    out[name + "_frozen_names"] = len(names)
+    out[name + "_frozen_maxdiff"] = max(float((exported[k] - start[k]).abs().max()) for k in names)
+    out[name + "_weights_maxdiff"] = max(float((exported[k] - v).abs().max()) for k, v in ref.state_dict().items())
+    return out
+
+
 def main():
     which, shard_dir, out_path = sys.argv[1:4]
     launch.init_distributed()
@@ -146,6 +187,7 @@ def main():
         second.load_state_dict(torch.load(f"{out_path}.{name}.pt", weights_only=True))
         results[name + "_resumed"] = part + train(second, batches[STOP:], loss_fn, hook_for=recipe)
         del engine, first, second
+    results.update(memory_tools(which, recipe, policy, batches, loss_fn, build))
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -44,3 +44,15 @@ def test_ranks_compare_their_rollouts(results):
 
 def test_is_ratio_max_is_the_largest_over_ranks(results):
     assert results["max_over_ranks"] == 1.5  # rank 0 held 0.5, rank 1 held 1.5
+
+
+def test_frozen_parts_and_activation_checkpointing(results):
+    # ZeRO-3 with training.freeze and activation checkpointing: the torch engine's steps
+    # with the same parts frozen; the frozen weights come back bit-identical, the optimizer holds
+    # every trainable weight and no frozen one
+    assert [r["loss"] for r in results["torch_frozen"]] != [r["loss"] for r in results["torch"]]
+    assert_matches(results["torch_frozen"], results["zero3_memory"], loss_atol=1e-6, rel=1e-5)
+    assert results["zero3_memory_weights_maxdiff"] < 1e-3
+    assert results["zero3_memory_frozen_names"] > 0 and results["zero3_memory_frozen_maxdiff"] == 0.0
+    opt = results["zero3_memory_optimizer"]
+    assert opt["frozen"] > 0 and (opt["frozen_in"], opt["trainable_missing"], opt["extra"]) == (0, 0, 0), opt

@@ -94,3 +94,16 @@ def test_compare_digests_names_the_step_and_the_ranks():
 
 def test_single_process_skips_the_rank_check():
     assert check_rank_agreement(0, [_traj([1], [2], 0.0)]) is False
+
+
+@needs_megatron
+def test_frozen_parts_and_activation_checkpointing(results):
+    # TP 2 with training.freeze and activation checkpointing: the torch engine's steps
+    # with the same parts frozen; the frozen weights come back bit-identical, the optimizer holds
+    # every trainable weight and no frozen one
+    assert [r["loss"] for r in results["torch_frozen"]] != [r["loss"] for r in results["torch"]]
+    assert_matches(results["torch_frozen"], results["tp2_memory"], loss_atol=1e-6, rel=1e-5)
+    assert results["tp2_memory_weights_maxdiff"] < 1e-3
+    assert results["tp2_memory_frozen_names"] > 0 and results["tp2_memory_frozen_maxdiff"] == 0.0
+    opt = results["tp2_memory_optimizer"]
+    assert opt["frozen"] > 0 and (opt["frozen_in"], opt["trainable_missing"], opt["extra"]) == (0, 0, 0), opt

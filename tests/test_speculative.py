@@ -38,7 +38,7 @@ def test_greedy_tokens_identical_with_and_without_drafting(peaky_model, samples)
     prompts = text_prompts() + [Prompt(s.id, s.ids, s.media) for s in samples[:3]]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=14)
     plain = TorchRolloutEngine(peaky_model)
-    spec = TorchRolloutEngine(peaky_model, DrafterConfig(k=5, prefetch_budget=4))
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=5, prefetch_budget=4))
     # seed histories with *sampled* completions so drafts are partly wrong: varied acceptance
     warm(spec, prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=14))
     a, b = plain.generate(prompts, params), spec.generate(prompts, params)
@@ -52,7 +52,7 @@ def test_greedy_tokens_identical_with_and_without_drafting(peaky_model, samples)
 
 def test_drafted_logprobs_equal_a_plain_forward(peaky_model):
     prompts = text_prompts(3)
-    spec = TorchRolloutEngine(peaky_model, DrafterConfig(k=4))
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4))
     params = SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=12)
     warm(spec, prompts, params)
     res = spec.generate(prompts, params, torch.Generator().manual_seed(5))
@@ -72,7 +72,7 @@ def test_sampling_distribution_unchanged_by_drafting(peaky_model):
     prompt = [Prompt("p0", [8, 9, 12, 15, 20], [])]
     params = SamplingParams(n=500, temperature=1.0, max_new_tokens=5)
     plain = TorchRolloutEngine(peaky_model)
-    spec = TorchRolloutEngine(peaky_model, DrafterConfig(k=4, max_history=64, max_history_tokens=10**6))
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, max_history=64, max_history_tokens=10**6))
     warm(spec, prompt, SamplingParams(n=30, temperature=1.0, max_new_tokens=5), rounds=1, seed=9)
     counts = {"plain": [{} for _ in range(4)], "spec": [{} for _ in range(4)]}
     g = torch.Generator().manual_seed(1)
@@ -90,7 +90,7 @@ def test_prefetch_and_fallback_commit_the_same_tokens(peaky_model):
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
     outs = {}
     for budget in (0, 16):
-        eng = TorchRolloutEngine(peaky_model, DrafterConfig(k=4, prefetch_budget=budget))
+        eng = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, prefetch_budget=budget))
         warm(eng, prompts, params, seed=2)
         res = eng.generate(prompts, params, torch.Generator().manual_seed(7))
         outs[budget] = ([r.completion_ids for r in res.rollouts], eng.last_stats)

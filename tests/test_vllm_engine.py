@@ -46,7 +46,7 @@ def untied(request, tokenizer):
 @pytest.fixture(scope="session")
 def drafting(request, tokenizer):
     model = build_policy(CFG, tokenizer, seed=0)  # the same weights as `plain`
-    return _engine(request, model, drafter_cfg=DrafterConfig(k=4, global_history=0), temperature=0.0)
+    return _engine(request, model, drafter_cfg=DrafterConfig(enabled=True, k=4, global_history=0), temperature=0.0)
 
 
 @pytest.fixture()

@@ -215,9 +215,7 @@ def attach_towers(model, vision_folder: Optional[str | Path] = None,
                                        f"{audio_folder}: audio tower", dtype)
         model.audio_projector = _load_into(projector, read_tensors(audio_folder, PROJECTOR_PREFIXES),
                                            f"{audio_folder}: audio projector", dtype)
-    if cfg.encoders.frozen:
-        for tower in (model.visual, model.audio_tower):
-            if tower is not None:
-                tower.requires_grad_(False)
-    model.train(model.training)  # the loaded towers come in eval mode; follow the model
+    # model.encoders.frozen (and parts frozen by name) on the new towers, which come in eval mode:
+    # apply_frozen puts them back in the model's mode (eval for a tower frozen whole)
+    model.apply_frozen()
     model.encoding_cache.clear()  # other weights, fresh version counters

@@ -262,9 +262,13 @@ class ValidationConfig:
 class DrafterConfig:
     """NgramRL: speculative decoding with a per-prompt history drafter."""
 
-    enabled: bool = True
+    enabled: bool = False
     """Draft tokens from earlier completions of the same prompt; the target verifies
-    them exactly: the committed tokens are distributed as without drafting."""
+    them exactly: the committed tokens are distributed as without drafting. Off by default:
+    on a peer-sized job (tiny Qwen2-VL, 8 prompts x 8 samples x 16 tokens, 2-core CPU) drafting
+    made the step 1.16x slower than TRL's GRPOTrainer and 1.57x slower than without it, because
+    per-sequence lookups cost more than the forwards they save at that size; turn it on where
+    `drafting_speedup` (see `compare_every`) or `loomrl bench drafter` shows it pays."""
     k: int = ranged(8, ge=1)
     """Most tokens drafted per target forward."""
     max_history: int = ranged(16, ge=1)
@@ -276,9 +280,10 @@ class DrafterConfig:
     global_history: int = ranged(256, ge=0)
     """Recent completions of any prompt kept as a weaker, cross-prompt draft source
     (0 = per-prompt histories only)."""
-    prefetch_budget: int = ranged(16, ge=0)
+    prefetch_budget: int = ranged(0, ge=0)
     """Candidate (accepted length, bonus token) outcomes the prefetcher prepares per
-    sequence while the target verifies (0 = no prefetch, plain lookups)."""
+    sequence while the target verifies (0 = no prefetch, plain lookups). Off by default: with
+    16 the peer-sized job above ran 4.4x slower than TRL (a Python thread hand-off per token)."""
     compare_every: int = ranged(0, ge=0)
     """Every N RL steps also generate the same batch without drafting (same weights,
     timing only, discarded) and log the speed-up measured side by side (0 = never)."""
@@ -514,6 +519,14 @@ class MegatronConfig:
     data-parallel replicas), num_heads, num_kv_heads and intermediate_size."""
 
 
+FreezePart = Literal["vision", "merger", "audio", "audio_projector", "language_model", "embeddings"]
+"""A part of the policy that `training.freeze` can name."""
+FREEZE_PARTS: tuple[str, ...] = typing.get_args(FreezePart)
+ENCODER_PARTS = ("vision", "merger", "audio")
+"""What `model.encoders.frozen` freezes: both towers, the vision merger included (the audio
+projector, applied after the encoding cache, still trains)."""
+
+
 @dataclass
 class TrainingConfig:
     """The optimisation loop."""
@@ -554,6 +567,22 @@ class TrainingConfig:
     """DeepSpeed settings."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Megatron-core settings."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward instead of keeping them: each decoder layer, and
+    each block of a vision / audio tower that trains, keeps only its input during the forward
+    and runs again in the backward (torch.utils.checkpoint, non-reentrant; engine megatron:
+    megatron-core's full recompute of every layer). Same gradients for about one more forward
+    of compute; activation memory of one layer instead of all. Only forwards that build a graph
+    in train mode: rollouts and log-probs without gradients run as before."""
+    freeze: list[FreezePart] = field(default_factory=list)
+    """Parts of the policy that do not train: `vision` (the vision tower's patch embedding and
+    blocks), `merger` (the vision merger into the language model's width), `audio` (the audio
+    tower), `audio_projector`, `language_model` (decoder layers and final norm), `embeddings`
+    (the input embedding and the LM head, tied or not). Frozen weights get no gradient, are
+    left out of every engine's optimizer and stay bit-identical. A part the model does not have
+    (audio on a Qwen2-VL checkpoint) is an error at start; `model.encoders.frozen` adds vision,
+    merger and audio. A tower frozen whole runs in eval mode and its encodings are reused
+    across steps; freezing every part is refused."""
 
 
 @dataclass
@@ -1057,6 +1086,24 @@ def validate_model(m: ModelConfig) -> None:
                           f"than one audio token (4 mel frames of 10 ms)")
 
 
+def validate_freeze(r: Recipe) -> None:
+    """`training.freeze`: each part once, something left to train (with `model.encoders.frozen`),
+    and a language model for a format warm-up. Which parts the model has is checked at start."""
+    t = r.training
+    for i, part in enumerate(t.freeze):
+        if part in t.freeze[:i]:
+            raise RecipeError(f"training.freeze[{i}]: {part!r} is listed twice")
+    frozen = set(t.freeze) | (set(ENCODER_PARTS) if r.model.encoders.frozen else set())
+    also = " (with model.encoders.frozen: " + ", ".join(ENCODER_PARTS) + ")" if r.model.encoders.frozen else ""
+    if frozen >= set(FREEZE_PARTS):
+        raise RecipeError(f"training.freeze: every part of the policy is frozen{also}; nothing would train "
+                          f"(parts: {', '.join(FREEZE_PARTS)})")
+    if t.warmup.steps and t.warmup.target == "format" and {"language_model", "embeddings"} <= frozen:
+        raise RecipeError("training.warmup.target: the format warm-up trains only the language model, and "
+                          "training.freeze freezes all of it (language_model and embeddings); use target "
+                          "answer or training.warmup.steps=0")
+
+
 def validate(r: Recipe) -> None:
     """Checks across fields and of the shard pattern (each field's range is checked at load)."""
     import re
@@ -1081,6 +1128,7 @@ def validate(r: Recipe) -> None:
         raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide model.num_kv_heads="
                           f"{r.model.num_kv_heads} and model.intermediate_size={r.model.intermediate_size}")
     validate_model(r.model)
+    validate_freeze(r)
     v = r.rollout.vllm
     head_dim = r.model.hidden_size // r.model.num_heads
     if r.rollout.engine == "vllm" and head_dim % 32:  # vLLM-CPU's attention kernels (and most GPU ones)

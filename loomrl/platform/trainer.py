@@ -168,6 +168,8 @@ class Trainer:
         files = shard_files(r)
         self.tokenizer, self.chat, self.model = build_policy_parts(r)
         model = self.model
+        self.freeze_parts(model)
+        model.set_activation_checkpointing(r.training.activation_checkpointing)
         self.prompts = prompt_source(r, files, model, self.tokenizer, self.chat)
         self.prompts.require_answer = self.sft
         self.reward_fn = build_sources(r.algorithm, next(model.parameters()).device)
@@ -177,6 +179,8 @@ class Trainer:
                   else f"{r.training.warmup.steps} warm-up + {r.training.steps} RL steps")
         log.info("[run] %s: %d shard(s), model %.2fM params, %s, %s, %s -> %s", r.name, len(files), n_params / 1e6,
                  stages, self.chat.describe(), r.pipeline.mode, out)
+        log.info("[run] %s%s", model.describe_parts(),
+                 ", activation checkpointing" if r.training.activation_checkpointing else "")
         if self.val_samples:
             log.info("[run] validation: %d held-out prompt(s) from %s, every %d steps and at the end",
                      len(self.val_samples), r.validation.shards, r.validation.every)
@@ -226,6 +230,19 @@ class Trainer:
             self.load_state_dict(ckpt_state, engine_state)
         self.log = MetricsLog(out, "metrics.jsonl", r.logging.tensorboard) if self.writer else NoLog()
 
+    def freeze_parts(self, model) -> None:
+        """training.freeze on the policy (model.encoders.frozen was applied when it was built): a
+        part the model does not have, or nothing left to train, is a RecipeError naming the key."""
+        freeze = self.recipe.training.freeze
+        try:
+            model.freeze(freeze)
+        except ValueError as e:
+            raise R.RecipeError(str(e)) from None
+        if not any(p.requires_grad for p in model.parameters()):
+            also = ", with model.encoders.frozen," if self.recipe.model.encoders.frozen else ""
+            raise R.RecipeError(f"training.freeze: {freeze}{also} freezes every part this model has "
+                                f"({', '.join(model.parameter_parts())}); nothing would train")
+
     def build_source(self):
         from loomrl.platform.rollout import build_rollout_engine
         from loomrl.platform.trajectory.sources import ColocatedSource
@@ -253,7 +270,7 @@ class Trainer:
         w = r.training.warmup
         # Format targets carry no information about the media: train only the language model,
         # so the encoders are not pushed around by gradients that are noise for them.
-        params = list(model.language_model.parameters()) if w.target == "format" else None
+        params = [p for p in model.language_model.parameters() if p.requires_grad] if w.target == "format" else None
         engine = TorchTrainEngine(model, r.training, lr=w.lr, params=params)
         rng = random.Random(r.training.seed + 1)
         if state is not None:  # resumed inside the warm-up

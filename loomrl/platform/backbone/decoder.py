@@ -15,6 +15,14 @@ written the way vLLM writes it, carrying the residual stream into the next
 norm, so the add + norm is one region. In FP32 every mode computes the same
 numbers. Qwen2-VL / Qwen2.5-VL language models use M-RoPE (`mrope_section`):
 position ids [3, B, T] (temporal, height, width) instead of [B, T].
+
+Activation checkpointing (`Decoder.activation_checkpointing`, set from the recipe's
+`training.activation_checkpointing`): in a forward that builds a graph in train mode without
+a KV cache, each layer keeps only its inputs and runs again in the backward
+(torch.utils.checkpoint, non-reentrant, so frozen embeddings need no input that requires
+grad). The recomputation is the same code on the same inputs, so the gradients are the
+plain path's; such a forward returns no KV cache (it would hold every layer's keys and
+values until the end of the forward). Rollouts (no grad, eval mode) never checkpoint.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from loomrl.platform.backbone import rounding
 from loomrl.platform.backbone.rounding import Regions
@@ -166,9 +175,15 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.activation_checkpointing = False  # recompute each layer in the backward (module docstring)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        """The vocabulary-sized weights: the input embedding and the LM head (one tensor when tied)."""
+        head = self.lm_head.weight
+        return [self.model.embed_tokens.weight] + ([] if head is self.model.embed_tokens.weight else [head])
 
     def forward(
         self,
@@ -177,7 +192,7 @@ class Decoder(nn.Module):
         key_mask: torch.Tensor,
         cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
-        """Logits [B, T, V] and the extended KV cache.
+        """Logits [B, T, V] and the extended KV cache (empty after a checkpointed forward).
 
         position_ids: [B, T], or [3, B, T] with M-RoPE (`cfg.mrope_section`).
         key_mask: bool [B, S_past + T], True where a key is a real token (False
@@ -193,7 +208,17 @@ class Decoder(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.mrope_section)
         x, residual = inputs_embeds, None
         new_cache: KVCache = []
+        recompute = self.activation_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
+            if recompute:
+                x, residual = checkpoint(_without_cache, layer, x, residual, cos, sin, mask, use_reentrant=False)
+                continue
             x, residual, present = layer(x, residual, cos, sin, mask, None if cache is None else cache[i])
             new_cache.append(present)
         return self.lm_head(self.model.norm(x, residual)[0]), new_cache
+
+
+def _without_cache(layer: DecoderLayer, x, residual, cos, sin, mask):
+    """One layer's (output, residual) without its keys and values (a checkpointed forward)."""
+    out, residual, _ = layer(x, residual, cos, sin, mask)
+    return out, residual

@@ -17,14 +17,24 @@ more rows than the tokenizer has tokens; those rows are never sampled nor scored
 and a decoder with M-RoPE gets (t, h, w) positions for image tokens (`mrope.py`).
 
 `encode` runs the towers once per distinct medium (loomrl.encoders.cache):
-requests without a gradient through the towers (rollouts, old/reference
-log-probs, frozen towers) are served from and stored in a bounded LRU keyed by
-content hash, preprocessing, tower identity and weights version.
+requests without a gradient through a tower (rollouts, old/reference log-probs,
+a tower with no trainable weight) are served from and stored in a bounded LRU
+keyed by content hash, preprocessing, tower identity and weights version. The
+cache holds raw tower output: for images the vision merger's output (the merger
+is part of the tower, so a trainable merger keeps images out of the cache), for
+clips the audio tower's output before the projector (which may train either way).
+
+Freezing (`freeze`, by part: vision, merger, audio, audio_projector, language_model,
+embeddings; `parameter_parts` says which weights each holds): a frozen part's weights
+get requires_grad False, so no engine optimises them. `model.encoders.frozen` freezes
+vision, merger and audio (those the model has). A tower with no trainable weight runs in
+eval mode (deterministic, cacheable across steps). `set_activation_checkpointing`
+recomputes decoder layers and the blocks of trained towers in the backward.
 """
 from __future__ import annotations
 
 import re
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +49,7 @@ from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, KVCache
 from loomrl.platform.backbone.rounding import Regions
 from loomrl.platform.backbone.mrope import rope_index
 from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER, media_layout
-from loomrl.platform.recipe import ModelConfig
+from loomrl.platform.recipe import ENCODER_PARTS, FREEZE_PARTS, ModelConfig
 
 # Encodings for `embed`: by Medium.key (deduplicated), or one per media placement, row-major (naive).
 MediaEncodings = Union[Encodings, list[torch.Tensor]]
@@ -111,10 +121,8 @@ class VLM(nn.Module):
                 nn.init.normal_(m.weight, std=cfg.init_std)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
-        if cfg.encoders.frozen:
-            for tower in self.tower_modules():
-                tower.requires_grad_(False)
-            self.train(self.training)  # frozen towers stay in eval mode (see train)
+        self.frozen: set[str] = set()  # parts frozen by name (freeze); apply_frozen re-applies them
+        self.apply_frozen()
         self.encoding_cache = EncodingCache(cfg.encoders.cache_size)
         self.encode_totals = EncodeStats()  # all encoder work of this model, for per-step metrics
         # Weights loaded with assign=True are new tensors with fresh version counters.
@@ -122,10 +130,93 @@ class VLM(nn.Module):
 
     def train(self, mode: bool = True) -> "VLM":
         super().train(mode)
-        if self.cfg.encoders.frozen:  # a frozen tower is an inference module: deterministic, cacheable
-            for tower in self.tower_modules():
+        for tower in self.tower_modules():  # a frozen tower is an inference module: deterministic, cacheable
+            if not any(p.requires_grad for p in tower.parameters()):
                 tower.eval()
         return self
+
+    # ------------------------------------------------------------------ parts
+
+    def parameter_parts(self) -> dict[str, list[nn.Parameter]]:
+        """The weights of each part the model has (FREEZE_PARTS order; an absent tower's parts are
+        left out): vision (the vision tower less its merger), merger, audio (the audio tower),
+        audio_projector, language_model (decoder layers and final norm), embeddings (input
+        embedding and LM head). Every parameter is in exactly one part."""
+        parts: dict[str, list[nn.Parameter]] = {}
+        if self.visual is not None:
+            merger = list(self.visual.merger.parameters())
+            parts["vision"] = [p for p in self.visual.parameters() if not any(p is q for q in merger)]
+            parts["merger"] = merger
+        if self.audio_tower is not None:
+            parts["audio"] = list(self.audio_tower.parameters())
+        if self.audio_projector is not None:
+            parts["audio_projector"] = list(self.audio_projector.parameters())
+        embeddings = self.language_model.embedding_parameters()
+        parts["language_model"] = [p for p in self.language_model.parameters()
+                                   if not any(p is q for q in embeddings)]
+        parts["embeddings"] = embeddings
+        return {name: parts[name] for name in FREEZE_PARTS if name in parts}
+
+    def freeze(self, parts: Iterable[str], key: str = "training.freeze") -> None:
+        """Freeze `parts` (FREEZE_PARTS names): their weights stop requiring grad, and a tower
+        left with no trainable weight goes to eval mode. A part this model does not have is a
+        ValueError naming it and `key`."""
+        parts = list(parts)
+        have = self.parameter_parts()
+        for part in parts:
+            if part not in FREEZE_PARTS:
+                raise ValueError(f"{key}: unknown part {part!r}; parts: {', '.join(FREEZE_PARTS)}")
+            if part not in have:
+                raise ValueError(f"{key}: the model has no {part!r} to freeze (model.init_from="
+                                 f"{self.cfg.init_from!r}; its parts: {', '.join(have)})")
+        self.frozen.update(parts)
+        self.apply_frozen()
+
+    def apply_frozen(self) -> None:
+        """(Re)apply the frozen parts: those named to `freeze` and, with model.encoders.frozen,
+        the towers (vision, merger, audio, of those the model has). Called again when a tower
+        is replaced (encoders.hf_checkpoint.attach_towers)."""
+        names = self.frozen | (set(ENCODER_PARTS) if self.cfg.encoders.frozen else set())
+        for part, params in self.parameter_parts().items():
+            if part in names:
+                for p in params:
+                    p.requires_grad_(False)
+        self.train(self.training)
+
+    def part_counts(self) -> dict[str, tuple[int, int]]:
+        """(trainable, frozen) parameter counts of each part the model has."""
+        return {part: (sum(p.numel() for p in params if p.requires_grad),
+                       sum(p.numel() for p in params if not p.requires_grad))
+                for part, params in self.parameter_parts().items()}
+
+    def describe_parts(self) -> str:
+        """One line: each part's trainable / frozen parameter counts, e.g. `vision 0/175.2K`."""
+        def size(n: int) -> str:
+            for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+                if n >= scale:
+                    return f"{n / scale:.1f}{unit}"
+            return str(n)
+
+        counts = self.part_counts()
+        trainable = sum(t for t, _ in counts.values())
+        frozen = sum(f for _, f in counts.values())
+        return ("trainable/frozen params: " + ", ".join(f"{part} {size(t)}/{size(f)}" for part, (t, f) in counts.items())
+                + f"; total {size(trainable)} trainable, {size(frozen)} frozen")
+
+    def set_activation_checkpointing(self, on: bool) -> None:
+        """Recompute activations in the backward (training.activation_checkpointing): each decoder
+        layer, and the blocks of the vision / audio tower when they train (transformers'
+        gradient checkpointing, non-reentrant; call after freezing). Only forwards in train mode
+        with grad enabled recompute; a frozen tower runs in eval mode and never does."""
+        self.language_model.activation_checkpointing = on
+        parts = self.parameter_parts()
+        for tower, part in ((self.visual, "vision"), (self.audio_tower, "audio")):
+            if tower is None:
+                continue
+            if on and any(p.requires_grad for p in parts[part]):
+                tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            elif tower.gradient_checkpointing:
+                tower.gradient_checkpointing_disable()
 
     def tower_modules(self) -> list[nn.Module]:
         """The towers this model has (vision, audio; an absent one is left out)."""
@@ -227,15 +318,22 @@ class VLM(nn.Module):
             raw, stats = encode_every_copy(media, self.towers)
             self.encode_totals.add(stats)
             return self.project(media, raw), stats
-        towers = self.tower_modules()
-        grad = torch.is_grad_enabled() and any(p.requires_grad for t in towers for p in t.parameters())
         identity = {kind: self.tower_identity(kind) for kind in {m.kind for m in media}}
-        version = tuple(weights_version(t) for t in towers)
+        # A tower with a trainable weight (a merger counts: it is part of the vision tower) needs a
+        # graph when grad is on: its media bypass the cache. The cache holds one weights version
+        # for all towers, so a frozen tower's entries outlive a step only when no tower trains.
+        graph = {kind: torch.is_grad_enabled() and any(p.requires_grad for p in self.tower_of(kind).parameters())
+                 for kind in identity}
+        version = tuple(weights_version(t) for t in self.tower_modules())
 
         def cache_key(m: Medium) -> tuple[tuple, tuple]:
             return (m.hash, m.prep, identity[m.kind]), version
 
-        raw, stats = encode_distinct(media, self.towers, None if grad else self.encoding_cache, cache_key)
+        raw, stats = encode_distinct([m for m in media if not graph[m.kind]], self.towers, self.encoding_cache,
+                                     cache_key)
+        fresh, fresh_stats = encode_distinct([m for m in media if graph[m.kind]], self.towers)
+        raw.update(fresh)
+        stats.add(fresh_stats)
         by_key = {m.key: m for m in media}
         keys = list(raw)
         projected = self.project([by_key[k] for k in keys], [raw[k] for k in keys])

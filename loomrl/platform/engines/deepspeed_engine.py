@@ -11,6 +11,11 @@ every forward). Gradients accumulate locally over the micro-batches
 averages gradients over the ranks, so each rank scales its loss by the world size: the
 update equals the single-process one for the same mini-batch.
 
+Frozen parts (training.freeze, model.encoders.frozen) and activation checkpointing
+(training.activation_checkpointing) come with the policy's copy: the optimizer gets only
+the weights that require grad (`params`), and the torch-level checkpointing of the decoder
+layers and tower blocks runs inside the wrapped module.
+
 The encoding cache's single encoder backward per mini-batch (a second backward outside
 the engine's) is not used here: media are encoded inside each micro-batch's forward
 (deduplicated within the micro-batch), and the gradients are the same.
@@ -93,12 +98,13 @@ class DeepSpeedTrainEngine:
         self.cfg = cfg
         self.stage = cfg.deepspeed.zero_stage
         self.rank, self.size = world()
-        model = copy.deepcopy(policy)
-        params = [p for p in model.parameters() if p.requires_grad]
+        model = copy.deepcopy(policy)  # frozen parts and activation checkpointing come with the copy
+        params = [p for p in model.parameters() if p.requires_grad]  # frozen weights: not optimised
         opt = torch.optim.AdamW(params, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=_LossModule(model), optimizer=opt, config=deepspeed_config(cfg))
         self.model = model
+        self.params = params
         self._client_opt = opt
 
     def set_lr(self, lr: float) -> None:

@@ -16,6 +16,12 @@ What trains where:
   all-reduced inside Megatron's column-parallel layers).
 - the optimizer is torch AdamW over the local shards (Megatron's distributed
   optimizer assumes CUDA); gradient clipping uses the global norm over all shards.
+- frozen parts (training.freeze) carry over: the towers' with the copy, the language
+  model's (`language_model`: layers + final norm; `embeddings`: word embedding + untied
+  output layer) re-applied to the GPTModel; frozen weights are not optimised.
+- training.activation_checkpointing: megatron-core's full recompute of every layer
+  (`recompute_granularity="full"`, uniform, one layer per chunk; the rope table is kept
+  until the next forward for the recomputation), plus the towers' own checkpointing.
 
 Residual adds stay in Megatron's bias-dropout-add (working dtype); the RMSNorm region
 here is the norm itself. In FP32 this computes the same numbers as the built-in
@@ -162,7 +168,9 @@ class MegatronLM(nn.Module):
     """Stands in for backbone.decoder.Decoder inside the policy (same `embed` / forward seam),
     with a megatron-core GPTModel inside. Training forwards only (no KV cache)."""
 
-    def __init__(self, cfg: DecoderConfig, tensor_parallel: int):
+    def __init__(self, cfg: DecoderConfig, tensor_parallel: int, recompute: bool = False):
+        """recompute: megatron-core's full activation recompute of every layer in the backward
+        (training.activation_checkpointing)."""
         super().__init__()
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -180,7 +188,9 @@ class MegatronLM(nn.Module):
             attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
             masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
             gradient_accumulation_fusion=False, tensor_model_parallel_size=tensor_parallel,
-            use_cpu_initialization=True, perform_initialization=False, params_dtype=torch.float32)
+            use_cpu_initialization=True, perform_initialization=False, params_dtype=torch.float32,
+            **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+               if recompute else {}))
         self.gpt = GPTModel(config, layer_spec(cfg, self.rope), vocab_size=padded_vocab(cfg.vocab_size, tensor_parallel),
                             max_sequence_length=cfg.max_position_embeddings, parallel_output=False,
                             share_embeddings_and_output_weights=cfg.tie_word_embeddings,
@@ -190,6 +200,14 @@ class MegatronLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.gpt.embedding.word_embeddings(input_ids)
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        """The vocabulary-sized weights (the `embeddings` part): the word embedding and, when
+        untied, the output layer."""
+        head = getattr(self.gpt, "output_layer", None)
+        head = None if head is None else head.weight
+        word = self.gpt.embedding.word_embeddings.weight
+        return [word] + ([] if head is None or head is word else [head])
 
     def forward(self, inputs_embeds, position_ids, key_mask, cache=None):
         if cache is not None:
@@ -201,9 +219,15 @@ class MegatronLM(nn.Module):
         mask = mask | torch.eye(t, dtype=torch.bool, device=device)[None, None]  # as the built-in decoder: no empty rows
         self.rope.cos, self.rope.sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta,
                                                     self.cfg.mrope_section)
-        logits = self.gpt(input_ids=None, position_ids=None, attention_mask=mask,
-                          decoder_input=inputs_embeds.transpose(0, 1).contiguous())
-        self.rope.cos = self.rope.sin = None
+        hidden = inputs_embeds.transpose(0, 1).contiguous()
+        recompute = self.gpt.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled()
+        if recompute and not hidden.requires_grad:
+            # Megatron's recompute is reentrant: without an input that requires grad (frozen
+            # embeddings, no trained tower's media) the layers would get no gradient at all.
+            hidden.requires_grad_(True)
+        logits = self.gpt(input_ids=None, position_ids=None, attention_mask=mask, decoder_input=hidden)
+        if not recompute:  # a recomputed layer reads the table again in the backward: kept until the next forward
+            self.rope.cos = self.rope.sin = None
         return logits[..., :self.cfg.vocab_size], []
 
     def local_state(self) -> dict[str, torch.Tensor]:
@@ -235,13 +259,14 @@ class MegatronTrainEngine:
             model = copy.deepcopy(policy)
         finally:
             policy.language_model = hf_lm
-        lm = MegatronLM(hf_lm.cfg, tp)
+        lm = MegatronLM(hf_lm.cfg, tp, recompute=cfg.activation_checkpointing)
         shard = hf_to_megatron({k: v.detach() for k, v in hf_lm.state_dict().items()}, self.dims, self.tp_rank, tp)
         missing, unexpected = lm.gpt.load_state_dict(shard, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise ValueError(f"HF -> Megatron conversion: missing {missing[:5]}, unexpected {unexpected[:5]}")
         model.language_model = lm
+        model.apply_frozen()  # the policy's frozen parts (copied with it) on the Megatron language model too
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._split = tp_split_params(lm)
