@@ -95,10 +95,11 @@ def rank_agreement(trajs, rank) -> dict:
 
 
 # Memory tools: parts frozen and activation checkpointing on; the reference is the torch engine
-# with the same parts frozen (no checkpointing). Megatron freezes its embeddings too (a layer
-# input without grad under its reentrant recompute) and runs tensor-parallel.
+# with the same parts frozen (no checkpointing). Megatron trains its language model alone (tensor
+# parallel): no layer input requires grad, which its reentrant recompute has to cope with.
 MEMORY = {"deepspeed": ("zero3_memory", {"deepspeed.zero_stage": 3}, ["vision", "merger"]),
-          "megatron": ("tp2_memory", {"megatron.tensor_parallel": 2}, ["vision", "merger", "embeddings"])}
+          "megatron": ("tp2_memory", {"megatron.tensor_parallel": 2},
+                       ["vision", "merger", "audio", "audio_projector", "embeddings"])}
 
 
 def memory_tools(which, recipe, policy, batches, loss_fn, build) -> dict:

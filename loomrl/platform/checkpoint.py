@@ -4,7 +4,9 @@ file fsynced, a manifest of sha256 sums written last, then the folder is
 renamed into place as `step-NNNNNN`. Loading checks the manifest and never
 unpickles objects (torch.load(weights_only=True)); whatever is wrong with a
 checkpoint (a file missing, damaged, or vouched for by a rewritten manifest but
-unreadable) is a ValueError naming the file."""
+unreadable) is a ValueError naming the file. A policy with LoRA adapters also gets
+`adapter.safetensors`: the `*.lora_A` / `*.lora_B` tensors alone, under the policy's names (a
+copy, for sharing adapters; loading reads model.safetensors, which holds base and adapters)."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
 
 MANIFEST = "manifest.json"
 REQUIRED = ("model.safetensors", "optimizer.pt", "state.json")
@@ -62,6 +64,9 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, engine_state:
         shutil.rmtree(tmp)
     tmp.mkdir()
     save_model(model, str(tmp / "model.safetensors"))  # dedups tied weights
+    adapter = {k: v.detach().contiguous() for k, v in model.state_dict().items() if ".lora_" in k}
+    if adapter:  # LoRA (backbone/lora.py): the adapters alone too, a copy of what model.safetensors holds
+        save_file(adapter, str(tmp / "adapter.safetensors"), metadata={"format": "pt"})
     for name, m in (extra_models or {}).items():
         save_model(m, str(tmp / f"{name}.safetensors"))
     maybe_die("checkpoint")

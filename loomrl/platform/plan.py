@@ -75,6 +75,7 @@ printed, `fits: false` in --json), 2 a bad recipe, a missing model config or bad
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import hashlib
@@ -401,7 +402,9 @@ def count_parameters(recipe: R.Recipe, recipe_path: Optional[str | Path] = None)
             raise PlanError(f"model.tokenizer: cannot load {m.tokenizer!r} (the vocabulary sizes the "
                             f"recipe's own model): {e}") from None
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = build_policy(m, tokenizer, recipe.training.seed)
+            # the plain model: `tally` adds model.lora's adapters itself
+            plain = dataclasses.replace(m, lora=R.LoRAConfig()) if hasattr(m, "lora") else m
+            model = build_policy(plain, tokenizer, recipe.training.seed)
         d = model.language_model.cfg
         counts = tally(model, recipe, "the recipe's model section", "loomrl VLM (demo)")
     counts.hidden_size, counts.num_layers, counts.num_heads = d.hidden_size, d.num_layers, d.num_heads

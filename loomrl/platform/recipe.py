@@ -154,6 +154,31 @@ class RoundingConfig:
     the weight; aligned rounds the sum (new residual stream) and the output once each."""
 
 
+LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""A linear layer of each decoder layer that `model.lora.targets` can name."""
+LORA_TARGETS: tuple[str, ...] = typing.get_args(LoRATarget)
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the language model (loomrl/platform/backbone/lora.py)."""
+
+    rank: int = ranged(0, ge=0)
+    """Adapter rank (0 = off). Above 0 the language model's own weights (layers, norms,
+    biases) are frozen and each targeted linear layer learns W + (alpha / rank) * B @ A, with A
+    (rank x in) random and B (out x rank) zero, so training starts exactly at the base model. The
+    towers and the embeddings train unless frozen (`training.freeze`, `model.encoders.frozen`).
+    Weights leaving the trainer (vLLM sync, `loomrl export`) are merged; checkpoints hold base
+    weights and adapters apart."""
+    alpha: float = ranged(16.0, gt=0)
+    """Scale numerator: the adapter's output is multiplied by alpha / rank."""
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input in training forwards (0 = none; rollouts never drop)."""
+    targets: list[LoRATarget] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Linear layers of every decoder layer that get an adapter: q_proj, k_proj, v_proj, o_proj
+    (attention), gate_proj, up_proj, down_proj (MLP)."""
+
+
 @dataclass
 class ModelConfig:
     """A Qwen-VL-style model: vision + audio towers, projectors, Qwen2 decoder. With `init_from`
@@ -198,6 +223,8 @@ class ModelConfig:
     """Encoder execution and the content-hashed encoding cache."""
     rounding: RoundingConfig = field(default_factory=RoundingConfig)
     """Where the language backbone rounds to its working dtype, per region."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters on the language model (`rank` 0: off, full fine-tuning)."""
 
 
 # --------------------------------------------------------------------------- data
@@ -558,6 +585,17 @@ class TrainingConfig:
     """Deterministic torch algorithms (bit-identical CPU runs for a seed)."""
     threads: int = ranged(0, ge=0)
     """torch intra-op threads (0 = torch's default)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Training arithmetic. `fp32`: everything in FP32. `bf16` (mixed precision, engine torch):
+    FP32 master weights, gradients and AdamW state; every training forward (the loss's, and the
+    old / reference log-probs of `prepare`, so the importance ratio and the KL compare like with
+    like) runs under `torch.autocast(bfloat16)` on the model's device, so matmuls and attention
+    compute in BF16 while the log-softmax and the loss stay FP32; the backward runs outside
+    autocast. Rollouts, validation and `loomrl doctor` are unchanged (the built-in rollout engine
+    samples in FP32: expect a larger `logp_mismatch`, see docs/engines.md). Under autocast the
+    `model.rounding` regions round to BF16 where their input is a BF16 matmul output (see
+    docs/rounding.md). Engine deepspeed: BF16 is `training.deepspeed.bf16`, and `bf16` here needs
+    it true; engine megatron trains FP32 only."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm-up stage."""
     nproc: int = ranged(1, ge=1)
@@ -1086,6 +1124,27 @@ def validate_model(m: ModelConfig) -> None:
                           f"than one audio token (4 mel frames of 10 ms)")
 
 
+def validate_lora(r: Recipe) -> None:
+    """`model.lora`: each target once and at least one; with rank > 0 the adapters must be able to
+    train (language_model not frozen) and the training engine must run the policy's own modules
+    (torch / deepspeed; megatron rebuilds the language model from its plain weights)."""
+    lo = r.model.lora
+    for i, target in enumerate(lo.targets):
+        if target in lo.targets[:i]:
+            raise RecipeError(f"model.lora.targets[{i}]: {target!r} is listed twice")
+    if not lo.rank:
+        return
+    if not lo.targets:
+        raise RecipeError(f"model.lora.targets: empty with model.lora.rank={lo.rank}; name at least one of "
+                          f"{', '.join(LORA_TARGETS)} (or set rank 0)")
+    if "language_model" in r.training.freeze:
+        raise RecipeError(f"training.freeze: language_model freezes the LoRA adapters too "
+                          f"(model.lora.rank={lo.rank}); with LoRA the base weights are frozen already")
+    if r.training.engine == "megatron":
+        raise RecipeError(f"model.lora.rank: LoRA ({lo.rank}) needs training.engine torch or deepspeed; "
+                          f"megatron trains its own copy of the plain language model")
+
+
 def validate_freeze(r: Recipe) -> None:
     """`training.freeze`: each part once, something left to train (with `model.encoders.frozen`),
     and a language model for a format warm-up. Which parts the model has is checked at start."""
@@ -1121,6 +1180,12 @@ def validate(r: Recipe) -> None:
                           f"(use grpo, or training.engine=torch)")
     if t.deepspeed.zero_stage == 0 and (t.deepspeed.bf16 or t.deepspeed.offload_optimizer):
         raise RecipeError("training.deepspeed.zero_stage: bf16 and offload_optimizer need zero_stage >= 1")
+    if t.precision == "bf16" and t.engine == "deepspeed" and not t.deepspeed.bf16:
+        raise RecipeError("training.precision: bf16 with training.engine=deepspeed is DeepSpeed's own BF16 "
+                          "mode; set training.deepspeed.bf16=true as well (it decides that engine's precision)")
+    if t.precision == "bf16" and t.engine == "megatron":
+        raise RecipeError("training.precision: training.engine=megatron trains in FP32 only; use "
+                          "training.precision=fp32, or training.engine=torch / deepspeed for BF16")
     tp = t.megatron.tensor_parallel
     if t.nproc % tp:
         raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide training.nproc={t.nproc}")
@@ -1129,6 +1194,7 @@ def validate(r: Recipe) -> None:
                           f"{r.model.num_kv_heads} and model.intermediate_size={r.model.intermediate_size}")
     validate_model(r.model)
     validate_freeze(r)
+    validate_lora(r)
     v = r.rollout.vllm
     head_dim = r.model.hidden_size // r.model.num_heads
     if r.rollout.engine == "vllm" and head_dim % 32:  # vLLM-CPU's attention kernels (and most GPU ones)

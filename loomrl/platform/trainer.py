@@ -46,6 +46,7 @@ from loomrl.platform.algorithms.critic import ValueHead, build_critic
 from loomrl.platform.algorithms.losses import critic_loss_fn, policy_loss_fn, sft_loss
 from loomrl.platform.checkpoint import blame, check_run_state, load_checkpoint, load_extra_model, save_checkpoint
 from loomrl.platform.engines.base import allreduce_max, load_exported, world
+from loomrl.platform.engines.torch_engine import autocast
 from loomrl.platform.metrics import MetricsLog, read_metrics
 from loomrl.platform.parts import configure_torch, shard_files
 from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, micro_batches
@@ -125,7 +126,7 @@ def fill_logprobs(model, mbs: list[MicroBatch], temperature: float, attr: Option
         if attr is not None:
             setattr(mb, attr, out[0])
         if value_head is not None:
-            mb.values = value_head(out[2])
+            mb.values = value_head(out[2]).float()  # FP32 whatever the forward's precision
 
 
 class Trainer:
@@ -215,6 +216,7 @@ class Trainer:
                 # the critic's weights are the policy's right after: no need to read init_from again
                 fresh = dataclasses.replace(r.model, init_from=None)
                 self.critic = build_critic(model, lambda: build_policy(fresh, self.tokenizer, r.training.seed))
+                self.critic.body.set_activation_checkpointing(r.training.activation_checkpointing)
                 self.critic_engine = TorchTrainEngine(self.critic, r.training, lr=ppo.critic_lr)
                 self.extra_models["critic"] = self.critic
         params = [p for p in model.parameters() if p.requires_grad]
@@ -421,17 +423,19 @@ class Trainer:
         trajs = [t for ts, _ in queue for t in ts]
         mbs = [mb for _, m in queue for mb in m]
         head = self.value_head
-        if a.epochs > 1 or len(queue) > 1:  # the policy moves before some tokens are trained on
-            fill_logprobs(self.model, mbs, ro.temperature, "old_logp", head)
-        elif head is not None:
-            fill_logprobs(self.model, mbs, ro.temperature, None, head)
-        if self.critic is not None:
-            with torch.no_grad():
-                self.critic.eval()
-                for mb in mbs:
-                    mb.values = self.critic(mb)
-        if self.ref_model is not None:
-            fill_logprobs(self.ref_model, mbs, ro.temperature, "ref_logp")
+        # the training forward's precision (training.precision), so ratios and KL compare like with like
+        with autocast(self.recipe.training.precision, self.model):
+            if a.epochs > 1 or len(queue) > 1:  # the policy moves before some tokens are trained on
+                fill_logprobs(self.model, mbs, ro.temperature, "old_logp", head)
+            elif head is not None:
+                fill_logprobs(self.model, mbs, ro.temperature, None, head)
+            if self.critic is not None:
+                with torch.no_grad():
+                    self.critic.eval()
+                    for mb in mbs:
+                        mb.values = self.critic(mb).float()
+            if self.ref_model is not None:
+                fill_logprobs(self.ref_model, mbs, ro.temperature, "ref_logp")
         rewards = torch.tensor([t.reward for t in trajs])
         return assign_advantages(a, ro.n, rewards, trajs, mbs)
 

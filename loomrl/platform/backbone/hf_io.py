@@ -14,6 +14,7 @@ Qwen2-Audio, which vLLM rejects). With tied embeddings `lm_head.weight` is left
 out and `tie_word_embeddings: true` written, as transformers does, so every
 loader ties the head to the embedding it reads. A folder is written next to
 its destination and renamed into place, so a crash never leaves a half folder.
+A decoder with LoRA adapters (`lora.py`) is written merged: the plain layout, no lora_* keys.
 """
 from __future__ import annotations
 
@@ -171,9 +172,12 @@ def text_config(cfg: DecoderConfig, dtype: torch.dtype) -> dict:
 def decoder_tensors(decoder: Decoder, prefix_model: str = "model.", prefix_head: str = "lm_head.",
                     dtype: Optional[torch.dtype] = None, tied_head: bool = False) -> dict[str, torch.Tensor]:
     """The decoder's tensors under checkpoint names; `lm_head.weight` only when untied, or when
-    tied_head asks for it too."""
+    tied_head asks for it too. LoRA adapters are merged into their weights (`lora.merged_state_dict`:
+    a plain Qwen2 layout, no lora_* keys), so every export and vLLM sync sees W + B @ A * scale."""
+    from loomrl.platform.backbone.lora import merged_state_dict
+
     out = {}
-    for name, t in decoder.state_dict().items():
+    for name, t in merged_state_dict(decoder).items():
         if name == "lm_head.weight" and decoder.cfg.tie_word_embeddings and not tied_head:
             continue
         key = prefix_head + name[len("lm_head."):] if name.startswith("lm_head.") \

@@ -200,8 +200,8 @@ class VLM(nn.Module):
         counts = self.part_counts()
         trainable = sum(t for t, _ in counts.values())
         frozen = sum(f for _, f in counts.values())
-        return ("trainable/frozen params: " + ", ".join(f"{part} {size(t)}/{size(f)}" for part, (t, f) in counts.items())
-                + f"; total {size(trainable)} trainable, {size(frozen)} frozen")
+        parts = ", ".join(f"{part} {size(t)}/{size(f)}" for part, (t, f) in counts.items())
+        return f"trainable/frozen params: {parts}; total {size(trainable)} trainable, {size(frozen)} frozen"
 
     def set_activation_checkpointing(self, on: bool) -> None:
         """Recompute activations in the backward (training.activation_checkpointing): each decoder
@@ -431,13 +431,20 @@ class VLM(nn.Module):
 
 
 def build_policy(cfg: ModelConfig, tokenizer, seed: int) -> VLM:
-    """The policy: randomly initialised from `seed`, then loaded from `cfg.init_from` if set."""
+    """The policy: randomly initialised from `seed`, then loaded from `cfg.init_from` if set;
+    then, with `cfg.lora.rank` > 0, LoRA adapters on the language model (`lora.apply_lora`: its
+    base weights frozen; the adapters are drawn after the base weights, which are thus the same
+    as without LoRA)."""
+    from loomrl.platform.backbone.lora import apply_lora
+
     torch.manual_seed(seed)
     if cfg.init_from is None:
-        return VLM(cfg, tokenizer)
-    from loomrl.encoders.hf_checkpoint import read_config
-    from loomrl.platform.backbone.hf_io import load_policy
+        model = VLM(cfg, tokenizer)
+    else:
+        from loomrl.encoders.hf_checkpoint import read_config
+        from loomrl.platform.backbone.hf_io import load_policy
 
-    model = VLM(cfg, tokenizer, read_config(cfg.init_from))
-    load_policy(model, cfg.init_from)
+        model = VLM(cfg, tokenizer, read_config(cfg.init_from))
+        load_policy(model, cfg.init_from)
+    apply_lora(model.language_model, cfg.lora)
     return model

@@ -1,8 +1,20 @@
 """The built-in training engine: one process, AdamW, gradient accumulation over
-micro-batches, global-norm clipping."""
+micro-batches, global-norm clipping, FP32 or BF16 mixed precision.
+
+`training.precision: bf16` is mixed precision in the usual sense: the parameters (master
+weights), their gradients and AdamW's moments stay FP32; each micro-batch's forward (and the
+hook's shared encoding forward) runs under `torch.autocast(<model device type>, bfloat16)`, so
+the matmuls and attention compute in BF16 from BF16 copies of the FP32 weights, while ops that
+autocast keeps in FP32 and everything the model casts explicitly (the log-softmax of
+`VLM.token_logprobs`, the loss) stay FP32. The backward runs outside autocast (autograd replays
+each op in its forward dtype) and the gradients arrive in FP32. No loss scaling: BF16 has FP32's
+exponent range. `autocast(recipe_precision, module)` gives the same context to the other
+forwards that must match the training one (the trainer's old / reference log-probs).
+"""
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional, Protocol
+import contextlib
+from typing import Callable, ContextManager, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
@@ -10,6 +22,17 @@ from torch import nn
 from loomrl.platform.recipe import TrainingConfig
 
 LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, float]]]
+
+
+def autocast(precision: str, module: nn.Module) -> ContextManager:
+    """The forward context of `training.precision` for `module`: BF16 autocast on the device
+    type of its first parameter for `bf16`, nothing for `fp32`."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision != "bf16":
+        raise ValueError(f"training.precision: {precision!r} is not one of ['fp32', 'bf16']")
+    device = next(module.parameters()).device.type
+    return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
 
 class MiniBatchHook(Protocol):
@@ -45,11 +68,13 @@ class TorchTrainEngine:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         if hook is not None:
-            hook.begin(micro_batches)
+            with autocast(self.cfg.precision, self.model):
+                hook.begin(micro_batches)
         totals: dict[str, float] = {}
         for mb in micro_batches:
-            loss, stats = loss_fn(self.model, mb)
-            loss.backward()
+            with autocast(self.cfg.precision, self.model):
+                loss, stats = loss_fn(self.model, mb)
+            loss.float().backward()  # FP32 already (fp32 log-softmax); backward outside autocast
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v

@@ -17,6 +17,8 @@ Agreement with the trainer's log-probs:
   it is tied (leaving it out loads wrong weights silently), as safetensors bytes through
   `collective_rpc` into the worker's `reload_weights`, in place. Prefix caching is off:
   cached KV of an older policy would be reused after a sync.
+  A LoRA policy's weights are sent merged (W + B @ A * scale, `backbone/lora.py`): vLLM
+  serves a plain Qwen2 model.
 
 M-RoPE policies (a Qwen2-VL / Qwen2.5-VL checkpoint via `model.init_from`: the decoder has
 `mrope_section`): the language model is served as vLLM's own `Qwen2VLForConditionalGeneration` /
@@ -54,6 +56,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from loomrl.platform.backbone.lora import merged_state_dict
 from loomrl.platform.backbone.hf_io import (decoder_tensors, export_language_model, text_config,
                                             write_folder)
 from loomrl.platform.recipe import DrafterConfig, VLLMConfig
@@ -429,6 +432,8 @@ class VLLMRolloutEngine:
             prefix = "language_model."
             tensors = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().clone().contiguous()
                        for k, v in weights if not k.startswith(("visual.", "audio_tower.", "audio_projector."))}
+            # named weights of a LoRA policy carry lora_* keys: vLLM gets them merged
+            tensors = merged_state_dict(self.model.language_model, tensors)
             if "lm_head.weight" not in tensors:
                 if not self.model.language_model.cfg.tie_word_embeddings:
                     raise ValueError("weight sync: lm_head.weight missing for an untied head")
