@@ -135,6 +135,8 @@ def test_only_adapters_towers_and_embeddings_train_and_merge_by_hand():
     # merged(): the same logits with the adapters folded in, the base put back bit-exactly
     with merged(decoder):
         assert decoder.model.layers[0].mlp.up_proj.merged
+        inner = merged_state_dict(decoder)  # not merged twice
+        assert inner.keys() == mstate.keys() and all(torch.equal(inner[k], mstate[k]) for k in mstate)
         with torch.no_grad():
             inside, _ = decoder(embeds, torch.arange(ids.shape[1])[None], torch.ones_like(ids, dtype=torch.bool))
     assert (inside - want).abs().max() <= 1e-5
@@ -168,7 +170,7 @@ def test_cli_run_trains_adapters_only_and_export_is_merged(tmp_path, capsys):
     run = tmp_path / "run"
     overrides = ["model.lora.rank=8", "training.warmup.steps=0", "training.steps=3",
                  "training.prompts_per_step=4", "rollout.n=4", "goal=null", "checkpoint.every=0",
-                 "data.demo.samples=16", f"algorithm.reward={__name__}:length_reward"]
+                 "data.demo.samples=16", "rollout.max_new_tokens=8", f"algorithm.reward={__name__}:length_reward"]
     assert main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(run),
                  f"data.shards={tmp_path}/shards/demo-*.tar", *overrides]) == 0
     import json

@@ -18,6 +18,8 @@ from loomrl.platform.plan import make_plan
 ROOT = Path(__file__).resolve().parents[1]
 ZERO3 = str(ROOT / "recipes/qwen2.5-vl-3b-grpo-zero3.yaml")
 MEGATRON = str(ROOT / "recipes/qwen2.5-vl-3b-grpo-megatron-tp2.yaml")
+# the hand-computed cases below: 8 sequences per micro-batch, every activation stored
+STORED = ["training.micro_batch_size=8", "training.activation_checkpointing=false"]
 SHIPPED = ROOT / "recipes/models/Qwen2.5-VL-3B-Instruct"
 GIB = 1 << 30
 # Qwen2.5-VL-3B's language model, as the brief of the shipped config gives it
@@ -76,7 +78,7 @@ def test_shipped_config_is_qwen25_vl_3b():
 
 def test_zero3_recipe(capsys, hf_counts):
     total, visual, _ = hf_counts
-    data, out = _plan(capsys, ZERO3)
+    data, out = _plan(capsys, ZERO3, *STORED)
     assert data["params_total"] == total and data["params_trainable"] == total
     assert data["params_towers"] == visual and data["params_language_model"] == total - visual
     assert (data["engine"], data["ranks"]) == ("deepspeed", {"world": 8, "dp": 8, "tp": 1})
@@ -94,7 +96,7 @@ def test_zero3_recipe(capsys, hf_counts):
 
 def test_megatron_tp2_halves_the_language_models_linear_weights(capsys, hf_counts):
     total, _, _ = hf_counts
-    data, _ = _plan(capsys, MEGATRON)
+    data, _ = _plan(capsys, MEGATRON, *STORED)
     assert (data["engine"], data["ranks"]) == ("megatron", {"world": 8, "dp": 4, "tp": 2})
     # TP-sharded: the (tied) embedding, q/k/v (with biases), o, gate/up/down of every layer
     per_layer = 2 * H * H + H + 2 * (H * KV * D + KV * D) + 3 * H * I
@@ -109,14 +111,14 @@ def test_megatron_tp2_halves_the_language_models_linear_weights(capsys, hf_count
 
 @pytest.mark.parametrize("gib, code", [(1, 3), (100000, 0)])
 def test_gpu_memory_decides_whether_it_fits(capsys, gib, code):
-    data, out = _plan(capsys, ZERO3, "--gpu-memory", str(gib), code=code)
+    data, out = _plan(capsys, ZERO3, *STORED, "--gpu-memory", str(gib), code=code)
     assert data["gpu_memory_bytes"] == gib * GIB and data["fits"] is (code == 0)
     assert ("does NOT fit" in out) is (code == 3)
 
 
 def test_frozen_towers_offloaded_optimizer_and_fused_attention(capsys, hf_counts):
     total, visual, _ = hf_counts
-    data, _ = _plan(capsys, ZERO3, "model.encoders.frozen=true", "training.deepspeed.offload_optimizer=true",
+    data, _ = _plan(capsys, ZERO3, *STORED, "model.encoders.frozen=true", "training.deepspeed.offload_optimizer=true",
                     "training.micro_batch_size=1", "--fused-attention")
     trainable = total - visual
     assert data["params_trainable"] == trainable
@@ -131,7 +133,7 @@ def test_frozen_towers_offloaded_optimizer_and_fused_attention(capsys, hf_counts
 def test_keys_a_recipe_may_gain_later(hf_counts):
     """activation_checkpointing, model.lora, training.freeze: read where a recipe has them."""
     total, visual, merger = hf_counts
-    recipe = R.load_recipe(ZERO3, files=False)
+    recipe = R.load_recipe(ZERO3, STORED, files=False)
     recipe.training.activation_checkpointing = True
     recipe.model.lora = SimpleNamespace(rank=8)
     p = make_plan(recipe, ZERO3).to_json()
@@ -142,7 +144,7 @@ def test_keys_a_recipe_may_gain_later(hf_counts):
     s, mb = 4096, 8
     layers = L * 2 * s * mb * H + _layer_bytes(s, mb)  # each layer's input + one layer recomputed
     assert p["activations_bytes"]["layers"] == pytest.approx(layers, rel=1e-9)
-    recipe = R.load_recipe(ZERO3, files=False)
+    recipe = R.load_recipe(ZERO3, STORED, files=False)
     recipe.training.freeze = ["vision", "embeddings"]  # the tower less its merger; the tied embedding / head
     p = make_plan(recipe, ZERO3).to_json()
     assert p["params_trainable"] == total - (visual - merger) - V * H

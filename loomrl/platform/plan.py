@@ -31,7 +31,9 @@ With `model.lora` (when a recipe has it, with
 language model (`lora.targets` / `target_modules`: short names such as `q_proj`; default
 every linear layer but the head). Keys a recipe may not have are read with defaults.
 
-Bytes per rank (P: parameters, T: trainable ones, w: 2 bytes in bf16, else 4 for fp32;
+Bytes per rank (P: parameters, T: trainable ones, w: 2 bytes in bf16, else 4 for fp32; the torch
+engine's `training.precision: bf16` is autocast: its weights, gradients and optimizer stay fp32, only
+the activations take 2 bytes;
 world = training.nproc, tp = training.megatron.tensor_parallel for Megatron else 1,
 dp = world / tp):
 - weights: P * w. DeepSpeed ZeRO-3 divides by dp. Megatron divides the language model's
@@ -469,10 +471,14 @@ def make_plan(recipe: R.Recipe, recipe_path: Optional[str | Path] = None, gpu_me
     tp = t.megatron.tensor_parallel if engine == "megatron" else 1
     dp = world // tp
     bf16 = _bf16(recipe)
-    w = 2 if bf16 else 4
-    dtype = "bf16" if bf16 else "fp32"
-    opt_per = 8 + (4 if bf16 else 0)
-    opt_what = "fp32 master + 2 fp32 moments" if bf16 else "2 fp32 moments"
+    # the torch engine's bf16 is autocast: FP32 weights, gradients and optimizer, BF16 activations;
+    # DeepSpeed's keeps BF16 weights and gradients beside an FP32 master copy
+    bf16_weights = bf16 and engine != "torch"
+    w = 2 if bf16_weights else 4
+    act_w = 2 if bf16 else 4
+    dtype = "bf16" if bf16_weights else ("fp32, bf16 autocast" if bf16 else "fp32")
+    opt_per = 8 + (4 if bf16_weights else 0)
+    opt_what = "fp32 master + 2 fp32 moments" if bf16_weights else "2 fp32 moments"
     P, T = c.total + c.lora, c.trainable
     notes: list[str] = []
     cpu = 0
@@ -516,14 +522,14 @@ def make_plan(recipe: R.Recipe, recipe_path: Optional[str | Path] = None, gpu_me
     s, s_from = sequence_length(recipe, seq_len)
     b = t.micro_batch_size
     checkpointing = bool(getattr(t, "activation_checkpointing", False))
-    act = activation_bytes(c, s, b, tp, w, checkpointing, vocab_rows, fused_attention)
+    act = activation_bytes(c, s, b, tp, act_w, checkpointing, vocab_rows, fused_attention)
     terms = ["10 + 24/tp" if tp > 1 else "34"] + (
         [] if fused_attention else ["5*a*s/(h*tp)" if tp > 1 else "5*a*s/h"])
     layer_formula = " + ".join(terms)
-    scale = "" if w == 2 else " x 2 (fp32)"
+    scale = "" if act_w == 2 else " x 2 (fp32)"
     layer = "s*b*h x " + (f"({layer_formula})" if "+" in layer_formula else layer_formula) + scale
     how["activations"] = (f"{f'{c.num_layers} x w*s*b*h + 1 x {layer}' if checkpointing else f'{c.num_layers} x {layer}'}"
-                          f" + ({w}+4)*s*b*v logits; s={s}, b={b}, h={c.hidden_size}, a={c.num_heads}, "
+                          f" + ({act_w}+4)*s*b*v logits; s={s}, b={b}, h={c.hidden_size}, a={c.num_heads}, "
                           f"v={vocab_rows}")
 
     r = recipe.rollout

@@ -123,7 +123,12 @@ def merged_state_dict(decoder: nn.Module, state: Optional[dict[str, torch.Tensor
     no lora_* keys, the keys otherwise in their order. A decoder without adapters: unchanged."""
     state = dict(decoder.state_dict() if state is None else state)
     for name, m in lora_layers(decoder).items():
+        missing = [k for k in (f"{name}.lora_A", f"{name}.lora_B", f"{name}.weight") if k not in state]
+        if missing:
+            raise ValueError(f"LoRA merge: {missing[0]} missing from the weights of a LoRA decoder")
         a, b = state.pop(f"{name}.lora_A"), state.pop(f"{name}.lora_B")
+        if m.merged:  # inside `merged()`: the weight holds the update already
+            continue
         w = state[f"{name}.weight"]
         dt = torch.promote_types(w.dtype, torch.float32)
         merged = w.detach().to(dt) + (b.detach().to(dt) @ a.detach().to(dt)) * m.scale
