@@ -138,9 +138,11 @@ def test_keys_a_recipe_may_gain_later(hf_counts):
     recipe.model.lora = SimpleNamespace(rank=8)
     p = make_plan(recipe, ZERO3).to_json()
     lora = 8 * L * ((H + H) + 2 * (H + KV * D) + (H + H) + 3 * (H + I))  # q, k, v, o, gate, up, down
-    assert p["params_lora"] == lora and p["params_trainable"] == lora and p["params_total"] == total
+    # the language model's own weights freeze; the adapters, the (tied) embedding and the towers train
+    trained = lora + visual + V * H
+    assert p["params_lora"] == lora and p["params_trainable"] == trained and p["params_total"] == total
     b = p["per_rank_bytes"]
-    assert b["optimizer"] == -(-12 * lora // 8) and b["weights"] == -(-2 * (total + lora) // 8)
+    assert b["optimizer"] == -(-12 * trained // 8) and b["weights"] == -(-2 * (total + lora) // 8)
     s, mb = 4096, 8
     layers = L * 2 * s * mb * H + _layer_bytes(s, mb)  # each layer's input + one layer recomputed
     assert p["activations_bytes"]["layers"] == pytest.approx(layers, rel=1e-9)

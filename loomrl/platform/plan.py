@@ -26,10 +26,10 @@ and the parts `training.freeze` names (when a recipe has that key): `vision` (th
 tower less its merger), `merger`, `audio`, `audio_projector`, `language_model` (decoder
 layers and final norm), `embeddings` (input embedding and LM head); an entry that is no part
 name is a pattern over the policy's parameter names, matching everything under it too.
-With `model.lora` (when a recipe has it, with
-`rank` > 0) only the adapters train: rank * (in + out) per targeted linear layer of the
-language model (`lora.targets` / `target_modules`: short names such as `q_proj`; default
-every linear layer but the head). Keys a recipe may not have are read with defaults.
+With `model.lora` (`rank` > 0) the language model's own weights freeze and its adapters train:
+rank * (in + out) per targeted linear layer (`lora.targets`: short names such as `q_proj`;
+default every linear layer but the head); the embeddings and towers train unless frozen, as in
+the trainer (`backbone/lora.py`).
 
 Bytes per rank (P: parameters, T: trainable ones, w: 2 bytes in bf16, else 4 for fp32; the torch
 engine's `training.precision: bf16` is autocast: its weights, gradients and optimizer stay fp32, only
@@ -372,7 +372,11 @@ def tally(model: nn.Module, recipe: R.Recipe, source: str, model_type: str, cano
                 tp = isinstance(module, (nn.Linear, nn.Embedding))
                 c["lm_tp"] += n if tp else 0
                 trainable = True
-            if any(_matches(name, pat) for pat in patterns) or lora_rank:
+            # LoRA freezes the language model's own weights, as the trainer does (lora.apply_lora); its
+            # embeddings / head and the towers train as the recipe says
+            lora_frozen = lora_rank and name.startswith("language_model.") and not any(
+                k in name for k in ("embed_tokens", "lm_head"))
+            if any(_matches(name, pat) for pat in patterns) or lora_frozen:
                 trainable = False
             if trainable:
                 c["trainable"] += n
