@@ -26,3 +26,15 @@ def assert_matches(reference: list[dict], got: list[dict], loss_atol: float, rel
         assert abs(a["grad_norm"] - b["grad_norm"]) <= rel * a["grad_norm"], (step, a, b)
         assert abs(a["mismatch_sum"] - b["mismatch_sum"]) <= rel * a["mismatch_sum"], (step, a, b)
         assert a["tokens"] == b["tokens"], (step, a, b)  # every rank's share counted exactly once
+
+
+def assert_frozen_and_checkpointed(results: dict, run: str) -> None:
+    """`run` (training.freeze + activation checkpointing on an engine) took the torch engine's
+    steps with the same parts frozen; the frozen weights came back bit-identical, and the
+    optimizer held every trainable weight and no frozen one."""
+    assert [r["loss"] for r in results["torch_frozen"]] != [r["loss"] for r in results["torch"]]
+    assert_matches(results["torch_frozen"], results[run], loss_atol=1e-6, rel=1e-5)
+    assert results[f"{run}_weights_maxdiff"] < 1e-3
+    assert results[f"{run}_frozen_names"] > 0 and results[f"{run}_frozen_maxdiff"] == 0.0
+    opt = results[f"{run}_optimizer"]
+    assert opt["frozen"] > 0 and (opt["frozen_in"], opt["trainable_missing"], opt["extra"]) == (0, 0, 0), opt

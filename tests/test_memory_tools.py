@@ -4,16 +4,12 @@ path's gradients, while rollouts run as before; per-part freezing (`training.fre
 keeps a part's weights bit-identical through training and out of the optimizer, with
 errors that name the key; `model.encoders.frozen` is the same mechanism for the towers."""
 import copy
-import io
 import json
-import math
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import load_file
 
 from loomrl.cli import main
@@ -21,30 +17,14 @@ from loomrl.encoders.media import load_medium
 from loomrl.platform import recipe as R
 from loomrl.platform.backbone.tokenizer import load_tokenizer
 from loomrl.platform.backbone.vlm import build_policy
-from loomrl.platform.recipe import EncoderConfig, ModelConfig, VisionConfig
+from loomrl.platform.recipe import EncoderConfig, ModelConfig
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 from loomrl.platform.trainer import Trainer
 from loomrl.platform.trajectory.batch import Trajectory, micro_batches
 
 ROOT = Path(__file__).resolve().parent.parent
-VISION = VisionConfig(min_pixels=56 * 56, max_pixels=112 * 112)
-
-
-def png(h: int, w: int, seed: int) -> bytes:
-    arr = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def wav(seconds: float, hz: float) -> bytes:
-    import soundfile as sf
-
-    t = np.arange(int(16000 * seconds)) / 16000
-    buf = io.BytesIO()
-    sf.write(buf, (0.3 * np.sin(2 * math.pi * hz * t)).astype(np.float32), 16000, format="WAV")
-    return buf.getvalue()
+from test_encoding_cache import VISION, png, wav  # media of the encoder tests
 
 
 def prompts_of(model, tokenizer, audio: bool = True) -> list[Prompt]:
