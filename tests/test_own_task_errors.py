@@ -82,3 +82,16 @@ def test_answer_lists_and_boxes_reach_the_rewards(tmp_path):
                      str(tmp_path))
     sample = {"id": "b", "answer": vqa.answer, "meta": vqa.meta}
     assert [build_reward("exact")(c, sample) for c in ("kitty", "Cat.", "dog")] == [1.0, 1.0, 0.0]
+
+
+def test_shards_make_shows_the_first_rejections_and_counts_the_rest(tmp_path, capsys):
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), (10, 200, 10)).save(tmp_path / "ok.png")
+    lines = [{"question": "what ?", "image": "ok.png", "answer": "green"}]
+    lines += [{"question": "what ?", "image": f"missing-{i}.png", "answer": "x"} for i in range(30)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["shards", "make", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "s" / "s-%06d.tar")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("rejected id=") == 20 and "10 more rejection(s) not shown above" in err
+    assert len((tmp_path / "s" / "rejected.jsonl").read_text().splitlines()) == 30  # every one recorded

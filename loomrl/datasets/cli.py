@@ -91,7 +91,7 @@ def progress_wanted() -> bool:
 def cmd_make(args) -> int:
     from loomrl.datasets.files import NotRegularFile
     from loomrl.datasets.manifest import ReadOptions
-    from loomrl.datasets.prepare import Limits, make_shards, print_rejection
+    from loomrl.datasets.prepare import Limits, RejectionEcho, make_shards
     from loomrl.datasets.shards import check_pattern, existing_shards
 
     try:
@@ -127,9 +127,10 @@ def cmd_make(args) -> int:
         return 2
     limits = Limits(sample_rate=args.sample_rate, max_pixels=args.max_pixels,
                     max_audio_seconds=args.max_audio_seconds, max_file_bytes=args.max_file_bytes)
+    echo = RejectionEcho()
     try:
         result = make_shards(args.source, args.out, maxcount=args.maxcount, maxsize=args.maxsize,
-                             limits=limits, workers=args.workers, on_reject=print_rejection,
+                             limits=limits, workers=args.workers, on_reject=echo,
                              progress=progress_wanted(), options=options)
     except (FileNotFoundError, NotRegularFile) as e:  # no manifest, or a FIFO or device in its place
         print(f"error: {e}", file=sys.stderr)
@@ -139,6 +140,7 @@ def cmd_make(args) -> int:
         print(f"error: {where}{e.strerror or e}; no shard was written and no partial file is left",
               file=sys.stderr)
         return 2
+    echo.close()
     if args.json:
         print(json.dumps({**result.to_json(), "rejected_file": _rejected_path(args.out)}, indent=1))
     else:

@@ -301,7 +301,27 @@ def make_shards(source: str, pattern: str, *, maxcount: int = 1000, maxsize: Opt
 
 
 def print_rejection(r: Rejection) -> None:
-    """One line on stderr per rejected sample: id, file, reason."""
+    """One line on stderr for a rejected sample: id, file, reason."""
     what = f"id={r.id}" if r.id is not None else "line"
     file = f" file={r.file}" if r.file else ""
     print(f"rejected {what} ({r.where}){file}: {r.code}: {r.reason}", file=sys.stderr, flush=True)
+
+
+class RejectionEcho:
+    """`on_reject` for the command line: the first `limit` rejections on stderr, then only counted
+    (rejected.jsonl has them all); `close()` says how many were not shown."""
+
+    def __init__(self, limit: int = 20):
+        self.limit, self.seen = limit, 0
+
+    def __call__(self, r: Rejection) -> None:
+        self.seen += 1
+        if self.seen <= self.limit:
+            print_rejection(r)
+        elif self.seen == self.limit + 1:
+            print("... more rejections are counted but not shown here (all are in rejected.jsonl)", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        if self.seen > self.limit:
+            print(f"{self.seen - self.limit} more rejection(s) not shown above; see rejected.jsonl", file=sys.stderr)
