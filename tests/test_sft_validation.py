@@ -14,12 +14,9 @@ DEMO = str(ROOT / "recipes" / "demo.yaml")
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from loomrl.datasets.demo import write_demo_shards
-
-    folder = tmp_path_factory.mktemp("shards")
-    write_demo_shards(str(folder), 96, 48, 1234)
-    return folder
+def shards(demo_shards):
+    """The session's demo shards (conftest): demo-000000 trains, demo-000001 validates."""
+    return demo_shards[0]
 
 
 def _rows(out):
