@@ -8,6 +8,7 @@ import importlib
 import sys
 
 BENCHES = {
+    "demo": "loomrl.platform.bench_demo",
     "drafter": "loomrl.platform.rollout.bench_drafter",
     "encoders": "loomrl.encoders.bench",
     "staleness": "loomrl.platform.trajectory.bench_staleness",

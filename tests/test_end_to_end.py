@@ -39,9 +39,10 @@ def test_short_run_then_report(tmp_path, capsys):
     assert ckpts == ["step-000004", "step-000006"]
     from loomrl.platform.backbone.tokenizer import load_tokenizer
     from loomrl.platform.backbone.vlm import build_policy
-    from loomrl.platform.recipe import ModelConfig
+    from loomrl.platform.recipe import load_recipe
 
-    _, state = load_checkpoint(out / "checkpoints" / "step-000006", build_policy(ModelConfig(), load_tokenizer("demo"), 1))
+    model_cfg = load_recipe(ROOT / "recipes" / "demo.yaml").model
+    _, state = load_checkpoint(out / "checkpoints" / "step-000006", build_policy(model_cfg, load_tokenizer("demo"), 1))
     assert state["step"] == 6 and state["data"]["served"] == 3 * 32 + 6 * 4 and state["data"]["index"] > 0
     summary = capsys.readouterr().out
     assert "RL steps        6" in summary

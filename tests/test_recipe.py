@@ -90,6 +90,22 @@ def test_lr_warmup_ramps_linearly_then_holds():
         load_recipe(DEMO, ["training.lr_warmup_steps=-1"])
 
 
+def test_cosine_schedule_decays_after_the_warm_up_to_the_floor_at_the_last_step():
+    from loomrl.platform.recipe import TrainingConfig
+    from loomrl.platform.trainer import rl_lr, scheduled
+
+    cfg = TrainingConfig(lr=1e-3, steps=12, lr_warmup_steps=2, lr_schedule="cosine", lr_min_ratio=0.1)
+    lrs = [rl_lr(cfg, s) for s in range(12)]
+    assert lrs[:3] == pytest.approx([5e-4, 1e-3, 1e-3])  # warm-up, then the cosine starts at lr
+    assert lrs[-1] == pytest.approx(1e-4) and rl_lr(cfg, 50) == pytest.approx(1e-4)  # the floor
+    assert lrs[2 + 9 // 2] < 1e-3 and all(a > b for a, b in zip(lrs[2:], lrs[3:]))  # strictly decreasing
+    # halfway through the decay the cosine is at the midpoint of lr and the floor
+    assert rl_lr(TrainingConfig(lr=1.0, steps=11, lr_schedule="cosine", lr_min_ratio=0.0), 5) == pytest.approx(0.5)
+    assert scheduled(cfg) and not scheduled(TrainingConfig())
+    with pytest.raises(RecipeError, match="training.lr_min_ratio"):
+        load_recipe(DEMO, ["training.lr_min_ratio=1.5"])
+
+
 def alias_bomb(levels: int, width: int = 9) -> str:
     """A YAML 'billion laughs': each level is a list of `width` aliases of the one below."""
     rows = ["  - &l0 [" + ", ".join(["lol"] * width) + "]"]

@@ -43,6 +43,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -417,12 +418,18 @@ class WorkerSource:
     def summary_lines(self) -> list[str]:
         return [f"prompts         re-queued {self.disp.requeue_count}, waiting to be re-sent {len(self.disp.requeued)}"]
 
-    def close(self) -> None:
-        """Stop workers still running (the run ended on an exception before `finish`)."""
+    def close(self, wait_s: float = 10.0) -> None:
+        """Stop workers still running (the run ended on an exception before `finish`). A worker
+        that died meanwhile (torchrun SIGTERMs every rank when one dies) never takes its stop
+        message, so the wait is bounded: the trainer must still write its exit code."""
         for w in self.live + self.rejected:
             self.ch.send(pack({"kind": "stop"}), w)
         self.live, self.rejected = [], []
-        self.ch.flush()
+        flushing = threading.Thread(target=self.ch.flush, name="stop-workers", daemon=True)
+        flushing.start()
+        flushing.join(wait_s)
+        if flushing.is_alive():
+            log.warning("[trainer] a rollout worker did not take its stop message within %.0f s (gone)", wait_s)
 
 
 # --------------------------------------------------------------------------- entry point (torchrun)

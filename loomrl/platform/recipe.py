@@ -575,6 +575,12 @@ class TrainingConfig:
     lr_warmup_steps: int = ranged(0, ge=0)
     """Ramp the RL learning rate linearly from lr / N to lr over the first N RL steps (0 = off):
     Adam's first updates move every weight by about lr whatever the gradient's size."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """The RL learning rate after the warm-up: `constant` keeps lr; `cosine` decays it along a half
+    cosine to lr x lr_min_ratio at the last RL step (training.steps), so the run ends settling
+    instead of jittering at full lr."""
+    lr_min_ratio: float = ranged(0.1, ge=0, le=1)
+    """`cosine`: the final learning rate as a fraction of lr."""
     weight_decay: float = ranged(0.0, ge=0)
     """AdamW weight decay."""
     grad_clip: float = ranged(1.0, ge=0)

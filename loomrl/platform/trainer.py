@@ -29,6 +29,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import signal
 import sys
 import time
@@ -80,10 +81,27 @@ class Phases:
 
 
 def rl_lr(cfg: R.TrainingConfig, step: int) -> float:
-    """The learning rate of RL step `step` (0-based): linear warm-up over lr_warmup_steps."""
-    if cfg.lr_warmup_steps <= 0:
+    """The learning rate of RL step `step` (0-based): linear warm-up over lr_warmup_steps, then
+    constant or a half cosine down to lr x lr_min_ratio at the last step."""
+    warm = cfg.lr_warmup_steps
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    if cfg.lr_schedule == "constant":
         return cfg.lr
-    return cfg.lr * min(1.0, (step + 1) / cfg.lr_warmup_steps)
+    t = min(1.0, (step - warm) / max(1, cfg.steps - 1 - warm))
+    return cfg.lr * (cfg.lr_min_ratio + (1.0 - cfg.lr_min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
+def scheduled(cfg: R.TrainingConfig) -> bool:
+    """Whether the RL learning rate changes from step to step (then each step sets it, a resume too)."""
+    return cfg.lr_warmup_steps > 0 or cfg.lr_schedule != "constant"
+
+
+def machine() -> dict:
+    """What a bit-identical rerun needs to match: the CPU kernels torch picked (by instruction set,
+    or ATEN_CPU_CAPABILITY) and the threads; runs agree bit for bit only where these do."""
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
 
 
 def goal_check(rows: list[dict], goal: Optional[R.GoalConfig],
@@ -320,7 +338,7 @@ class Trainer:
         phases = Phases()
         t_step = time.perf_counter()
         faults.current_step = step
-        if tr.lr_warmup_steps:
+        if scheduled(tr):
             self.engine.set_lr(rl_lr(tr, step))
         with phases("admit"):
             samples = self.prompts.next(tr.prompts_per_step)
@@ -463,7 +481,7 @@ class Trainer:
         phases = Phases()
         t_step = time.perf_counter()
         faults.current_step = step
-        if tr.lr_warmup_steps:  # a function of the step, so a resume sets it again
+        if scheduled(tr):  # a function of the step, so a resume sets it again
             self.engine.set_lr(rl_lr(tr, step))
         shared = SharedEncodings(self.engine.model) if self.model.cfg.encoders.dedup and self.engine.supports_hook \
             else None
@@ -543,6 +561,7 @@ class Trainer:
             "clip_frac": totals["clipped_tokens"] / tokens,
             "logp_mismatch": totals["mismatch_sum"] / tokens,
             "grad_norm": totals["grad_norm"] / updates,
+            "lr": rl_lr(self.recipe.training, step),
             **{f"{name}_s": s for name, s in phases.seconds.items()},  # admit_s, prepare_s, train_s, sync_s
             "step_s": step_s,
             "policy_version": self.version,
@@ -637,6 +656,7 @@ class Trainer:
         if self.writer:
             (self.out / "summary.json").write_text(json.dumps({
                 "steps": self.step_count, "wall_s": wall, "goal_met": goal_met, "goal": goal_text, "error": error,
+                "machine": machine(),
                 "skipped_samples": self.prompts.state()["skipped"], "trajectories": self.counts(),
                 "validation": self.validations, "checkpoint": str(path), **self.source.report()}, indent=1))
         return RunResult(self.out, self.rows, goal_met, summary, error)
