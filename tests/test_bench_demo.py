@@ -6,13 +6,14 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_grid_runs_each_cell_with_its_seed_threads_and_kernels(tmp_path, demo_shards):
     short = [f"data.shards={demo_shards[0]}/*.tar", "data.demo=null", "training.steps=3", "training.warmup.steps=1",
-             "training.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=6", "checkpoint.every=0",
+             "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=6", "checkpoint.every=0",
              "logging.tensorboard=false", "goal={first_steps: 1, last_steps: 2, min_final: 2.0}"]
     p = subprocess.run([sys.executable, "-m", "loomrl.cli", "bench", "demo", "--seeds", "0,3", "--threads", "1",
                         "--capabilities", "default,avx2", "--out", str(tmp_path / "grid"), "--json", *short],
@@ -34,6 +35,14 @@ def test_the_grid_runs_each_cell_with_its_seed_threads_and_kernels(tmp_path, dem
         summary = json.loads((tmp_path / "grid" / f"seed{c['seed']}-t1-{c['capability']}" / "summary.json")
                              .read_text())
         assert summary["machine"]["threads"] == 1
-    # the seeds give different runs
-    assert cells[0]["first"] != cells[1]["first"] or cells[0]["last"] != cells[1]["last"]
+        saved = yaml.safe_load((tmp_path / "grid" / f"seed{c['seed']}-t1-{c['capability']}" / "recipe.yaml")
+                               .read_text())
+        assert saved["training"]["seed"] == c["seed"] and saved["training"]["threads"] == 1
     assert "| 0 | 1 | AVX2 |" in p.stdout and "0 of 4 cells met the goal" in p.stdout
+
+
+def test_a_recipe_every_cell_would_refuse_is_refused_once_before_any_cell_runs(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "loomrl.cli", "bench", "demo", "--out", str(tmp_path / "grid"),
+                        "training.prompts_per_step=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "training.mini_batches" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "grid").exists()

@@ -109,7 +109,7 @@ def test_short_bf16_run_through_the_cli(tmp_path, capsys):
     rc = main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(out),
                f"data.shards={tmp_path}/shards/demo-*.tar", "data.demo.samples=24", "rollout.max_new_tokens=8",
                "training.precision=bf16", "training.warmup.steps=2", "training.warmup.batch_size=4", "training.steps=3",
-               "training.prompts_per_step=4", "rollout.n=4", "goal=null", "logging.tensorboard=false",
+               "training.mini_batches=1", "training.prompts_per_step=4", "rollout.n=4", "goal=null", "logging.tensorboard=false",
                "logging.progress=false", "algorithm.kl_coef=0.01",
                "algorithm.reward=rewards_for_tests:distinct_words"])  # a reward that varies from the start
     assert rc == 0

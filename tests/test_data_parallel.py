@@ -44,7 +44,7 @@ class ReplaySource:
 def test_two_ranks_roll_out_disjoint_shares_and_update_like_one(tmp_path, demo_shards):
     d, _ = demo_shards
     overrides = [f"data.shards={d}/*.tar", "data.demo=null", "training.warmup.steps=0",
-                 "training.prompts_per_step=6", "rollout.n=4", "rollout.max_new_tokens=8",
+                 "training.mini_batches=1", "training.prompts_per_step=6", "rollout.n=4", "rollout.max_new_tokens=8",
                  "logging.tensorboard=false", "goal=null", "training.threads=1", "rollout.drafter.compare_every=0",
                  "algorithm.reward=rewards_for_tests:distinct_words"]
     env = dict(os.environ, OMP_NUM_THREADS="1",

@@ -284,7 +284,7 @@ def test_run_reports_encoder_metrics(tmp_path):
         assert main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(tmp_path / out),
                      f"data.shards={tmp_path}/shards/demo-*.tar", "data.demo.samples=24",
                      f"algorithm.reward={__name__}:length_reward",
-                     "training.steps=2", "training.warmup.steps=0", "training.prompts_per_step=3",
+                     "training.steps=2", "training.warmup.steps=0", "training.mini_batches=1", "training.prompts_per_step=3",
                      "training.micro_batch_size=5", "rollout.n=4", "checkpoint.every=0", "goal=null",
                      *extra]) == 0
         return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]

@@ -16,7 +16,7 @@ REQUIRED = {"step", "reward_mean", "loss", "tokens_per_s", "rollout_s", "train_s
 def short_run(tmp_path, out_name, extra=()):
     return main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(tmp_path / out_name),
                  f"data.shards={tmp_path}/shards/demo-*.tar", "data.demo.samples=48",
-                 "training.steps=6", "training.warmup.steps=3", "training.prompts_per_step=4",
+                 "training.steps=6", "training.warmup.steps=3", "training.mini_batches=1", "training.prompts_per_step=4",
                  "rollout.n=4", "checkpoint.every=4", "goal=null", *extra])
 
 

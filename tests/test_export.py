@@ -65,7 +65,7 @@ def vl_run(tmp_path_factory):
     write_shards(samples, str(root / "shards" / "astro-%06d.tar"), maxcount=10)
     run = root / "run"
     assert main(["run", "recipes/demo.yaml", "--out", str(run), f"data.shards={root}/shards/astro-*.tar",
-                 "data.demo=null", "training.steps=2", "training.warmup.steps=0", "training.prompts_per_step=2",
+                 "data.demo=null", "training.steps=2", "training.warmup.steps=0", "training.mini_batches=1", "training.prompts_per_step=2",
                  "rollout.n=2", "rollout.max_new_tokens=4", "training.micro_batch_size=4", "checkpoint.every=100",
                  "goal=null", "logging.tensorboard=false", "algorithm.reward=rewards_for_tests:distinct_words",
                  f"model.init_from={init}", f"model.tokenizer={init}", *OVERRIDES]) == 0

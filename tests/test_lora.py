@@ -169,7 +169,7 @@ def test_targets_and_recipe_checks_name_the_key():
 def test_cli_run_trains_adapters_only_and_export_is_merged(tmp_path, capsys):
     run = tmp_path / "run"
     overrides = ["model.lora.rank=8", "training.warmup.steps=0", "training.steps=3",
-                 "training.prompts_per_step=4", "rollout.n=4", "goal=null", "checkpoint.every=0",
+                 "training.mini_batches=1", "training.prompts_per_step=4", "rollout.n=4", "goal=null", "checkpoint.every=0",
                  "data.demo.samples=16", "rollout.max_new_tokens=8", f"algorithm.reward={__name__}:length_reward"]
     assert main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(run),
                  f"data.shards={tmp_path}/shards/demo-*.tar", *overrides]) == 0

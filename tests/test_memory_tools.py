@@ -253,7 +253,7 @@ def test_short_run_keeps_frozen_parts_bit_identical(tmp_path, loomrl_log):
     out = tmp_path / "run"
     overrides = [f"data.shards={tmp_path}/shards/demo-*.tar", "data.demo.samples=24",
                  f"algorithm.reward={__name__}:length_reward", "training.steps=3", "training.warmup.steps=0",
-                 "training.prompts_per_step=3", "training.micro_batch_size=6", "rollout.n=2",
+                 "training.mini_batches=1", "training.prompts_per_step=3", "training.micro_batch_size=6", "rollout.n=2",
                  "rollout.max_new_tokens=6", "rollout.drafter.enabled=false", "checkpoint.every=0", "goal=null",
                  "training.freeze=[vision,merger]", "training.activation_checkpointing=true"]
     assert main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(out), *overrides]) == 0

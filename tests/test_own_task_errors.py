@@ -21,7 +21,7 @@ def shards(demo_shards):
 
 def _demo(tmp_path, shards, out, *extra):
     return main(["run", DEMO, "--out", str(tmp_path / out), f"data.shards={shards}/demo-000000.tar",
-                 "training.warmup.steps=0", "training.steps=3", "training.prompts_per_step=2", "rollout.n=2",
+                 "training.warmup.steps=0", "training.steps=3", "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2",
                  "goal=null", "logging.tensorboard=false", *extra])
 
 
@@ -33,7 +33,7 @@ def test_a_reward_returning_nan_stops_the_run_with_a_checkpoint(tmp_path, shards
     recipe.write_text((ROOT / "recipes" / "demo.yaml").read_text().replace("reward: slot_match", "reward: bad_reward:reward"))
     monkeypatch.chdir(tmp_path)
     code = main(["run", str(recipe), "--out", "run", f"data.shards={shards}/demo-000000.tar", "training.warmup.steps=0",
-                 "training.steps=3", "training.prompts_per_step=2", "rollout.n=2", "goal=null",
+                 "training.steps=3", "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2", "goal=null",
                  "logging.tensorboard=false"])
     assert code == 2
     err = capsys.readouterr()

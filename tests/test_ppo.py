@@ -103,7 +103,7 @@ def cli(tmp: Path, out: str, *extra: str) -> int:
 
     return main(["run", str(ROOT / "recipes" / "demo-ppo.yaml"), "--out", str(tmp / out),
                  f"data.shards={tmp}/shards/demo-*.tar", "data.demo.samples=48", "data.shuffle_buffer=20",
-                 "training.steps=4", "training.warmup.steps=2", "training.prompts_per_step=4", "rollout.n=2",
+                 "training.steps=4", "training.warmup.steps=2", "training.mini_batches=1", "training.prompts_per_step=4", "rollout.n=2",
                  "checkpoint.every=1", "checkpoint.keep_last=3", "rollout.drafter.compare_every=0",
                  "logging.tensorboard=false", "goal=null", "training.threads=1",
                  "algorithm.reward=rewards_for_tests:distinct_words", *extra])

@@ -151,7 +151,7 @@ def test_loomrl_run_from_a_qwen2_vl_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["run", "recipes/demo.yaml", "--out", str(out), f"data.shards={tmp_path}/shards/demo-*.tar",
                "data.demo.samples=12", "training.steps=2", "training.warmup.steps=0",
-               "training.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=4",
+               "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=4",
                "training.micro_batch_size=4", "checkpoint.every=100", "goal=null",
                f"model.init_from={folder}", f"model.tokenizer={folder}", *OVERRIDES])
     assert rc == 0

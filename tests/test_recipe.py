@@ -138,3 +138,13 @@ def test_values_quoted_in_messages_are_capped(tmp_path):
     with pytest.raises(RecipeError) as e:
         load_recipe(DEMO, ["training.steps=[" + ", ".join(["123456789"] * 1000) + "]"], files=False)
     assert str(e.value).startswith("training.steps: expected an integer, got [123456789") and len(str(e.value)) < 300
+
+
+def test_numbers_in_exponent_form_without_a_dot_are_numbers():
+    """YAML 1.1 reads `5e-4` as a string; a float key takes it as the number it is."""
+    r = load_recipe(DEMO, ["training.lr=5e-4", "training.weight_decay=1E-2"])
+    assert r.training.lr == 5e-4 and r.training.weight_decay == 0.01
+    with pytest.raises(RecipeError, match="training.lr: expected a number, got 'fast'"):
+        load_recipe(DEMO, ["training.lr=fast"])
+    with pytest.raises(RecipeError, match="training.steps: expected an integer"):
+        load_recipe(DEMO, ["training.steps=1e3"])  # an integer key still wants an integer

@@ -434,7 +434,7 @@ def test_resume_command_is_shell_quoted(tmp_path, capsys, monkeypatch):
 
 def run_args(shards: Path, out: Path, *extra: str) -> list[str]:
     return ["run", DEMO, "--out", str(out), f"data.shards={shards}/*.tar", "data.demo=null", "training.steps=4",
-            "training.warmup.steps=0", "training.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=4",
+            "training.warmup.steps=0", "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=4",
             "training.threads=1", "checkpoint.every=2", "checkpoint.keep_last=10", "logging.tensorboard=false",
             "goal=null", "logging.progress=false", *extra]
 

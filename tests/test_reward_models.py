@@ -99,7 +99,7 @@ def test_run_with_a_reward_model_reports_each_source(tmp_path, rm_dir, demo_shar
     root = Path(__file__).resolve().parent.parent
     assert main(["run", str(root / "recipes" / "demo.yaml"), "--out", str(tmp_path / "run"),
                  f"data.shards={shards}/demo-*.tar", "training.steps=2", "training.warmup.steps=0",
-                 "training.prompts_per_step=2", "rollout.n=2", "goal=null", "logging.tensorboard=false",
+                 "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2", "goal=null", "logging.tensorboard=false",
                  "rollout.drafter.compare_every=0", "training.threads=1",
                  f"algorithm.rewards=[{{fn: 'rewards_for_tests:distinct_words', name: words}}, "
                  f"{{model: '{d}', weight: 0.5, name: rm}}]"]) == 0

@@ -16,7 +16,7 @@ def cli(out: Path, shards: Path, *options: str, wait: bool = True):
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     args = [sys.executable, "-m", "loomrl.cli", "run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(out),
             f"data.shards={shards}/*.tar", "data.demo=null", "training.steps=8", "training.warmup.steps=0",
-            "training.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=4", "training.threads=1",
+            "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=4", "training.threads=1",
             "checkpoint.every=2", "checkpoint.keep_last=10", "logging.tensorboard=false", "goal=null", *options]
     if not wait:
         return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -25,7 +25,7 @@ def _rows(out):
 
 def _sft(tmp_path, shards, out, *extra):
     return main(["run", DEMO, "--out", str(tmp_path / out), f"data.shards={shards}/demo-000000.tar", "algorithm.name=sft",
-                 "training.warmup.steps=0", "training.steps=8", "training.prompts_per_step=16", "training.lr=0.003",
+                 "training.warmup.steps=0", "training.steps=8", "training.mini_batches=1", "training.prompts_per_step=16", "training.lr=0.003",
                  f"validation.shards={shards}/demo-000001.tar", "validation.samples=12",
                  "validation.every=4", "goal.metric=val_reward_mean", "goal.min_final=0", "goal.min_gain=-1",
                  "checkpoint.every=4", "logging.tensorboard=false", *extra])
@@ -72,7 +72,7 @@ def test_sft_resumes_exactly(tmp_path, shards, sft_run):
 def test_validation_in_an_rl_run(tmp_path, shards):
     assert main(["run", DEMO, "--out", str(tmp_path / "rl"), f"data.shards={shards}/demo-000000.tar",
                  "training.warmup.steps=0", "training.steps=3",
-                 "training.prompts_per_step=4", "rollout.n=4", f"validation.shards={shards}/demo-000001.tar",
+                 "training.mini_batches=1", "training.prompts_per_step=4", "rollout.n=4", f"validation.shards={shards}/demo-000001.tar",
                  "validation.samples=6", "validation.every=2", "validation.temperature=1.0", "goal=null",
                  "logging.tensorboard=false"]) == 0
     rows = _rows(tmp_path / "rl")

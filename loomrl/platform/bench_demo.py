@@ -76,7 +76,7 @@ def _goal_steps(recipe: str, overrides: list[str]) -> tuple[int, int]:
 
 
 def _prepare_data(recipe: str, overrides: list[str]) -> None:
-    """Write the demo shards once, before cells that would all try to write them."""
+    """Check the recipe and write the demo shards once, before cells that would all try to."""
     from loomrl.platform import recipe as R
     from loomrl.platform.parts import shard_files
 
@@ -86,7 +86,6 @@ def _prepare_data(recipe: str, overrides: list[str]) -> None:
 def run_grid(recipe: str, cells: list[dict], overrides: list[str], workdir: Path, cores: int) -> list[dict]:
     """Run every cell (as many at once as fit `cores` by their threads); their results in order."""
     first_n, last_n = _goal_steps(recipe, overrides)
-    _prepare_data(recipe, overrides)
     todo = list(enumerate(cells))
     running: list[tuple[int, subprocess.Popen, Path, float, object]] = []
     results: dict[int, dict] = {}
@@ -146,6 +145,13 @@ def main(argv: list[str]) -> int:
     cells = _cells(_ints(args.seeds), _ints(args.threads), [c for c in args.capabilities.split(",") if c])
     if not cells:
         ap.error("no cells: give --seeds, --threads and --capabilities")
+    from loomrl.platform.recipe import RecipeError
+
+    try:  # what every cell would refuse is refused once, before any cell runs
+        _prepare_data(args.recipe, args.overrides)
+    except RecipeError as e:
+        log.error("error: %s", e)
+        return 2
     with tempfile.TemporaryDirectory(prefix="loomrl-bench-demo-") as tmp:
         workdir = Path(args.out) if args.out else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)

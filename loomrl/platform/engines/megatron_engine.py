@@ -125,10 +125,10 @@ class LoomCoreAttention(nn.Module):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        mode = self.decoder.rounding.rope
+        mode, mrope = self.decoder.rounding.rope, self.decoder.mrope_section is not None
         cos, sin = self.rope.cos[:, None], self.rope.sin[:, None]  # [B, 1, T, D]: broadcast over heads
-        q = rounding.apply_rope(query.permute(1, 2, 0, 3), cos, sin, mode)
-        k = rounding.apply_rope(key.permute(1, 2, 0, 3), cos, sin, mode)
+        q = rounding.apply_rope(query.permute(1, 2, 0, 3), cos, sin, mode, mrope)
+        k = rounding.apply_rope(key.permute(1, 2, 0, 3), cos, sin, mode, mrope)
         v = value.permute(1, 2, 0, 3)
         rep = q.shape[1] // k.shape[1]
         out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),

@@ -141,6 +141,12 @@ def _set_vllm_env(cfg: VLLMConfig) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if cfg.multiprocessing else "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the trainer's threads
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not an INFO line per weight sync
+    # vLLM-CPU splits a decode step's KV range across threads by default (vllm/envs.py
+    # VLLM_CPU_ATTN_SPLIT_KV, read in v1/attention/backends/cpu_attn.py); each split rounds the
+    # softmax probabilities to BF16 against its own running max, so decode log-probs would depend
+    # on the thread count and the context length, which no trainer forward can reproduce
+    # (docs/vllm-cpu-numerics.md, attention).
+    os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
     # vLLM compiles a few kernels with inductor even when eager; keep that cache out of /tmp.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "loomrl", "torchinductor"))

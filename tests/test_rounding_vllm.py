@@ -1,0 +1,209 @@
+"""The "vllm" rounding mode == what vLLM-CPU computes, bit for bit in BF16, checked against
+vLLM's own code on this build (docs/vllm-cpu-numerics.md says where each piece comes from):
+
+- rmsnorm: the IR ops `rms_norm` / `fused_add_rms_norm` (vllm/ir/ops/layernorm.py), which are
+  what vLLM-CPU runs (their `vllm_c` kernels are registered for GPUs only);
+- swiglu: `SiluAndMul.forward_native` (vllm/model_executor/layers/activation.py);
+- rope: the C++ op `torch.ops._C.rotary_embedding` (what `RotaryEmbedding.forward_cpu` calls),
+  with the cos/sin cache vLLM builds (`RotaryEmbedding._compute_cos_sin_cache`, cast to BF16).
+  "vllm" reproduces vLLM's AVX512-BF16 build (`_C`, every AMX host); on CPUs without
+  AVX512-BF16 vLLM loads `_C_AVX512` / `_C_AVX2`, whose FP32 -> BF16 conversion truncates,
+  and the test checks that instead.
+
+Shapes are Qwen2-0.5B's (hidden 896, 14 heads of 64, 2 kv heads, intermediate 4864)."""
+import types
+
+import pytest
+import torch
+
+from loomrl.platform.backbone import rounding as R
+from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, rope_cos_sin
+from loomrl.platform.backbone.rounding import SETTINGS
+
+BF16 = torch.bfloat16
+T, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 37, 896, 14, 2, 64, 4864
+
+
+def _rand(*shape, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(BF16)
+
+
+def _norm_inputs(seed):
+    x = _rand(T, HIDDEN, scale=2.0, seed=seed)  # a layer's output (attention / MLP)
+    residual = _rand(T, HIDDEN, scale=8.0, seed=seed + 1)  # the residual stream, larger
+    residual[:, :4] *= 30  # a few outlier channels, as real residual streams have
+    weight = (1.0 + _rand(HIDDEN, scale=0.3, seed=seed + 2).float()).to(BF16)
+    return x, residual, weight
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_vllm_rmsnorm_is_vllm_ir_op_bit_for_bit(seed):
+    from vllm.ir.ops.layernorm import fused_add_rms_norm, rms_norm
+
+    vllm_norm = rms_norm.impls["native"].impl_fn
+    vllm_add_norm = fused_add_rms_norm.impls["native"].impl_fn
+    x, residual, weight = _norm_inputs(seed)
+    eps = 1e-6
+
+    want_out, want_res = vllm_add_norm(x.clone(), residual.clone(), weight, eps)
+    out, res = R.rms_norm(x, weight, eps, "vllm", residual)
+    assert out.dtype == res.dtype == BF16
+    assert torch.equal(res, want_res)
+    assert torch.equal(out, want_out)
+    # fp32 master weight (autocast): vLLM's weight is BF16, so the mode casts it first
+    assert torch.equal(R.rms_norm(x, weight.float(), eps, "vllm", residual)[0], want_out)
+
+    # why a third mode: neither existing one rounds where vLLM does (the residual stream agrees)
+    for mode in ("aligned", "native"):
+        other, other_res = R.rms_norm(x, weight, eps, mode, residual)
+        assert torch.equal(other_res, want_res)
+        assert not torch.equal(other, want_out), mode
+
+    # no residual (layer 0's input norm): vLLM's rms_norm, which is native's arithmetic
+    want = vllm_norm(x.clone(), weight, eps)
+    out, res = R.rms_norm(x, weight, eps, "vllm")
+    assert torch.equal(out, want) and res is x
+    assert torch.equal(R.rms_norm(x, weight, eps, "native")[0], want)
+    assert not torch.equal(R.rms_norm(x, weight, eps, "aligned")[0], want)
+
+
+def test_vllm_rmsnorm_c_kernels_are_not_used_on_cpu():
+    """The premise of the rmsnorm test: on CPU vLLM dispatches to the Python IR op, not to
+    `torch.ops._C.(fused_add_)rms_norm` (registered with supported=GPGPU_DEVICE)."""
+    import importlib
+
+    from vllm.ir.ops.layernorm import fused_add_rms_norm, rms_norm
+    from vllm.platforms import current_platform
+
+    importlib.import_module("vllm.kernels.vllm_c")  # registers the vllm_c implementations
+    assert current_platform.is_cpu()
+    for op in (rms_norm, fused_add_rms_norm):
+        assert "vllm_c" in op.impls and not op.impls["vllm_c"].supported
+
+
+def test_vllm_swiglu_is_silu_and_mul_forward_native_bit_for_bit():
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    gate_up = _rand(T, 2 * INTER, scale=3.0, seed=5)
+    want = SiluAndMul.forward_native(gate_up)
+    gate, up = gate_up[:, :INTER], gate_up[:, INTER:]
+    assert torch.equal(R.swiglu(gate, up, "vllm"), want)
+    assert not torch.equal(R.swiglu(gate, up, "aligned"), want)
+
+
+def _vllm_rotary_op():
+    """`torch.ops._C.rotary_embedding`, loaded as vLLM loads it on this CPU
+    (`CpuPlatform.import_kernels` picks `_C`, `_C_AVX512` or `_C_AVX2` from the CPU's flags)."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    try:
+        return torch.ops._C.rotary_embedding
+    except (AttributeError, RuntimeError) as e:  # the library did not load on this CPU
+        pytest.skip(f"vLLM's CPU kernel library (torch.ops._C) is not loadable on this CPU: {e!r}")
+
+
+def _vllm_cos_sin_cache(max_position: int, theta: float) -> torch.Tensor:
+    """The cache `RotaryEmbedding.__init__` builds (FP32, then cast to the model dtype)."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    rope = types.SimpleNamespace(rotary_dim=HEAD_DIM, base=theta, max_position_embeddings=max_position)
+    rope._compute_inv_freq = lambda base: RotaryEmbedding._compute_inv_freq(rope, base)
+    return RotaryEmbedding._compute_cos_sin_cache(rope).to(BF16)
+
+
+def _kernel_rounds_to_nearest() -> bool:
+    """Whether the `_C` library vLLM loads here rounds FP32 -> BF16 to nearest even. vLLM's x86
+    CPU kernels do only when built for AVX512-BF16 (`_C`, loaded on CPUs with AVX512-BF16 /
+    AMX); the `_C_AVX512` and `_C_AVX2` builds truncate (round toward zero)."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import CpuArchEnum
+
+    return current_platform.get_cpu_architecture() != CpuArchEnum.X86 or (
+        torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported())
+
+
+def _toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """FP32 -> BF16 by dropping the low 16 bits (what the non-AVX512-BF16 kernels do)."""
+    return (x.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(BF16)
+
+
+@pytest.mark.parametrize("theta", [1_000_000.0, 10_000.0])
+def test_vllm_rope_is_vllm_rotary_embedding_op_bit_for_bit(theta):
+    op = _vllm_rotary_op()
+    max_position = 8192
+    positions = torch.cat([torch.arange(20), torch.randint(
+        20, max_position, (T - 20,), generator=torch.Generator().manual_seed(7))])
+    q = _rand(T, HEADS * HEAD_DIM, scale=3.0, seed=8)
+    k = _rand(T, KV_HEADS * HEAD_DIM, scale=3.0, seed=9)
+    want_q, want_k = q.clone(), k.clone()
+    op(positions, want_q, want_k, HEAD_DIM, _vllm_cos_sin_cache(max_position, theta), True)  # in place
+
+    # loomrl's side: the decoder's FP32 cos/sin, x laid out [B, H, T, D]
+    cos, sin = rope_cos_sin(positions[None], HEAD_DIM, theta)
+    cos, sin = cos[:, None], sin[:, None]
+
+    def loomrl(x, heads, mode, mrope=False, dtype=BF16):
+        x = x.view(T, heads, HEAD_DIM).transpose(0, 1)[None].to(dtype)
+        return R.apply_rope(x, cos, sin, mode, mrope)[0].transpose(0, 1).reshape(T, heads * HEAD_DIM)
+
+    if not _kernel_rounds_to_nearest():
+        # This CPU's vLLM build truncates: the same FP32 arithmetic (BF16 cos/sin), rounded toward
+        # zero. "vllm" reproduces the AVX512-BF16 build (docs/vllm-cpu-numerics.md) and cannot
+        # match here; check the rest of its arithmetic and record the difference.
+        bf16_cos_sin = (cos.to(BF16).float(), sin.to(BF16).float())
+        for x, heads, want in ((q, HEADS, want_q), (k, KV_HEADS, want_k)):
+            xf = x.view(T, heads, HEAD_DIM).transpose(0, 1)[None].float()
+            exact = R.apply_rope(xf, *bf16_cos_sin, "aligned")[0].transpose(0, 1).reshape(T, heads * HEAD_DIM)
+            assert torch.equal(_toward_zero(exact), want)
+        assert not torch.equal(loomrl(q, HEADS, "vllm"), want_q)
+        return
+    assert torch.equal(loomrl(q, HEADS, "vllm"), want_q)
+    assert torch.equal(loomrl(k, KV_HEADS, "vllm"), want_k)
+    for mode in ("aligned", "native"):  # aligned keeps cos/sin in FP32; native rounds every op
+        assert not torch.equal(loomrl(q, HEADS, mode), want_q), mode
+    # M-RoPE: vLLM runs MRotaryEmbedding.forward_native, i.e. native's arithmetic
+    assert torch.equal(loomrl(q, HEADS, "vllm", mrope=True), loomrl(q, HEADS, "native"))
+
+
+def test_vllm_mrope_is_forward_native_bit_for_bit():
+    """M-RoPE in vLLM-CPU: `ApplyRotaryEmb.forward_static` with BF16 ops (no FP32 compute)."""
+    from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
+
+    x = _rand(T, HEADS, HEAD_DIM, scale=3.0, seed=10)
+    cos, sin = rope_cos_sin(torch.arange(T)[None], HEAD_DIM, 1_000_000.0, [16, 8, 8])
+    half = HEAD_DIM // 2
+    want = ApplyRotaryEmb.forward_static(x, cos[0, :, :half].to(BF16), sin[0, :, :half].to(BF16),
+                                         is_neox_style=True, enable_fp32_compute=False)
+    got = R.apply_rope(x.transpose(0, 1)[None], cos[:, None], sin[:, None], "vllm", mrope=True)
+    assert torch.equal(got[0].transpose(0, 1), want)
+
+
+def test_fp32_mrope_decoder_identical_in_every_setting():
+    torch.manual_seed(0)
+    dec = Decoder(DecoderConfig(vocab_size=61, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                intermediate_size=64, mrope_section=[8, 4, 4]))
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(9).expand(2, -1)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    outs = []
+    for regions in SETTINGS.values():
+        dec.cfg.rounding = regions
+        outs.append(dec(dec.embed(ids), pos, mask)[0])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_vllm_engine_turns_off_split_kv_attention(monkeypatch):
+    """Split-KV decode attention depends on the thread count and the context length."""
+    import os
+
+    from loomrl.platform.recipe import VLLMConfig
+    from loomrl.platform.rollout import vllm_engine
+
+    monkeypatch.setattr(os, "environ", {})
+    vllm_engine._set_vllm_env(VLLMConfig())
+    assert os.environ["VLLM_CPU_ATTN_SPLIT_KV"] == "0"
+    os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "1"  # the user's own setting wins
+    vllm_engine._set_vllm_env(VLLMConfig())
+    assert os.environ["VLLM_CPU_ATTN_SPLIT_KV"] == "1"
