@@ -75,3 +75,12 @@ def test_report_errors(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "metrics.jsonl: not found" in capsys.readouterr().err
     shutil.rmtree(tmp_path)
+
+
+def test_mismatch_compares_the_rollout_with_the_policy_before_the_steps_updates(tmp_path):
+    """With 2 mini-batches the policy moves after the first one; `logp_mismatch` still compares the
+    rollout engine with the trainer on the weights that sampled (pi_old), not the moved policy."""
+    assert short_run(tmp_path, "mb2", ["training.mini_batches=2", "checkpoint.every=0"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "mb2" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["policy_version"] == 12 and rows[-1]["staleness_max"] == 1  # two updates per step
+    assert all(r["logp_mismatch"] < 1e-4 for r in rows)

@@ -54,8 +54,10 @@ def policy_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead
             stats.update(vstats)
         m = mb.loss_mask
         stats["entropy_sum"] = float((entropy.detach() * m).sum())
-        # rollout-vs-trainer mismatch of the same tokens under the same weights
-        stats["mismatch_sum"] = float(((mb.rollout_logp - logp.detach()).abs() * m).sum())
+        # rollout-vs-trainer mismatch of the same tokens under the same weights: pi_old (the policy
+        # before this step's updates; the policy itself with one mini-batch), not the policy after
+        # mini-batch 1 has moved it
+        stats["mismatch_sum"] = float(((mb.rollout_logp - old.detach()).abs() * m).sum())
         stats["tokens"] = float(m.sum())
         return loss, stats
 
