@@ -65,9 +65,10 @@ def vl_run(tmp_path_factory):
     write_shards(samples, str(root / "shards" / "astro-%06d.tar"), maxcount=10)
     run = root / "run"
     assert main(["run", "recipes/demo.yaml", "--out", str(run), f"data.shards={root}/shards/astro-*.tar",
-                 "data.demo=null", "training.steps=2", "training.warmup.steps=0", "training.mini_batches=1", "training.prompts_per_step=2",
+                 "data.demo=null", "training.steps=2", "training.warmup.steps=0", "training.mini_batches=1", "training.lr_warmup_steps=0",
+                 "training.prompts_per_step=2",
                  "rollout.n=2", "rollout.max_new_tokens=4", "training.micro_batch_size=4", "checkpoint.every=100",
-                 "goal=null", "logging.tensorboard=false", "algorithm.reward=rewards_for_tests:distinct_words",
+                 "goal=null", "logging.tensorboard=false", "algorithm.reward=rewards_for_tests:varied",
                  f"model.init_from={init}", f"model.tokenizer={init}", *OVERRIDES]) == 0
     checkpoint = run / "checkpoints" / "step-000002"
     return init, run, checkpoint

@@ -123,7 +123,7 @@ def test_unreadable_or_unbuildable_checkpoints_name_the_file(qwen2_vl, tmp_path,
 
 def test_a_checkpoint_not_on_this_machine_fills_nothing(tmp_path, qwen2_vl):
     r = load_recipe(DEMO, [f"model.init_from={tmp_path}/on-the-cluster", "model.hidden_size=128"], files=False)
-    assert (r.model.hidden_size, r.model.num_heads, r.model.tokenizer) == (128, 4, "demo")
+    assert (r.model.hidden_size, r.model.num_heads, r.model.tokenizer) == (128, 2, "demo")
     with pytest.raises(RecipeError, match="model.init_from: .* is not a local HF checkpoint folder"):
         load_recipe(DEMO, [f"model.init_from={tmp_path}/on-the-cluster"])
     # a folder with config.json but no tokenizer files keeps the demo tokenizer

@@ -245,8 +245,8 @@ def test_freeze_errors_name_the_key(tmp_path, tokenizer):
 
 
 def length_reward(text: str, record: dict) -> float:
-    """Varies within every group from the first step on: every step has a gradient."""
-    return len(text.split()) / 16
+    """Varies within every group whose completions differ (not only in length): every step has a gradient."""
+    return sum(map(ord, text)) % 11 / 10
 
 
 def test_short_run_keeps_frozen_parts_bit_identical(tmp_path, loomrl_log):

@@ -166,8 +166,8 @@ def test_demo_recipe_counts_loomrls_policy(capsys, tokenizer):
     b = data["per_rank_bytes"]
     assert b["weights"] == 4 * n and b["gradients"] == 4 * n and b["optimizer"] == 8 * n  # fp32, AdamW
     assert "policy_copy" not in b
-    # the built-in engine's KV cache: 32 prompts x 8 samples, 2 layers, 2 kv heads of 64 / 4
-    assert b["rollout"] == 2 * 2 * 2 * 16 * (512 + 16) * (32 * 8) * 4
+    # the built-in engine's KV cache: 32 prompts x 8 samples, 2 layers, 2 kv heads of 64 / 2
+    assert b["rollout"] == 2 * 2 * 2 * 32 * (512 + 16) * (32 * 8) * 4
 
 
 def test_a_checkpoint_folder_on_this_machine(tmp_path, capsys, tokenizer):
@@ -177,7 +177,7 @@ def test_a_checkpoint_folder_on_this_machine(tmp_path, capsys, tokenizer):
     folder = export_policy(build_policy(R.ModelConfig(), tokenizer, seed=1), tmp_path / "tiny-vl", "image")
     loaded = build_policy(R.ModelConfig(init_from=str(folder)), tokenizer, seed=0)
     n = sum(p.numel() for p in loaded.parameters())
-    data, _ = _plan(capsys, str(ROOT / "recipes/demo.yaml"), f"model.init_from={folder}")
+    data, _ = _plan(capsys, str(ROOT / "recipes/demo.yaml"), f"model.init_from={folder}", "model.num_heads=4")
     assert data["model_type"] == "qwen2_vl" and data["params_total"] == n
     assert data["params_towers"] == sum(p.numel() for p in loaded.visual.parameters())
 

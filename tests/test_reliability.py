@@ -74,7 +74,7 @@ def test_numeric_values_outside_their_range_are_refused_at_load(override, needle
 @pytest.mark.parametrize("override, needle", [
     ("model.vision.embed_dim=24", "model.vision.num_heads"),  # head size 6: the 2-D rotary needs a multiple of 4
     ("model.audio.d_model=63", "model.audio.num_heads"),
-    ("model.hidden_size=36", "model.num_heads"),  # head size 9: RoPE needs an even one
+    ("model.hidden_size=18", "model.num_heads"),  # head size 9 (2 heads): RoPE needs an even one
     ("model.audio.clip_seconds=0.01", "model.audio.clip_seconds"),  # no audio token at all
     ("model.vision.min_pixels=10000", "model.vision.min_pixels"),  # above max_pixels
     ("data.shards='x-{a'", "data.shards"),  # unbalanced braces: a traceback at the first read
