@@ -68,24 +68,20 @@ def _result(cell: dict, out: Path, rc: int, wall: float, first_n: int, last_n: i
     return res
 
 
-def _goal_steps(recipe: str, overrides: list[str]) -> tuple[int, int]:
-    from loomrl.platform import recipe as R
-
-    goal = R.load_recipe(recipe, overrides).goal
-    return (goal.first_steps, goal.last_steps) if goal is not None else (5, 10)
-
-
-def _prepare_data(recipe: str, overrides: list[str]) -> None:
-    """Check the recipe and write the demo shards once, before cells that would all try to."""
+def _prepare(recipe: str, overrides: list[str]) -> tuple[int, int]:
+    """Check the recipe and write the demo shards once, before cells that would all try to; the
+    goal's (first, last) step counts, which the table averages over."""
     from loomrl.platform import recipe as R
     from loomrl.platform.parts import shard_files
 
-    shard_files(R.load_recipe(recipe, overrides))
+    loaded = R.load_recipe(recipe, overrides)
+    shard_files(loaded)
+    return (loaded.goal.first_steps, loaded.goal.last_steps) if loaded.goal is not None else (5, 10)
 
 
-def run_grid(recipe: str, cells: list[dict], overrides: list[str], workdir: Path, cores: int) -> list[dict]:
+def run_grid(recipe: str, cells: list[dict], overrides: list[str], workdir: Path, cores: int,
+             first_n: int, last_n: int) -> list[dict]:
     """Run every cell (as many at once as fit `cores` by their threads); their results in order."""
-    first_n, last_n = _goal_steps(recipe, overrides)
     todo = list(enumerate(cells))
     running: list[tuple[int, subprocess.Popen, Path, float, object]] = []
     results: dict[int, dict] = {}
@@ -148,14 +144,14 @@ def main(argv: list[str]) -> int:
     from loomrl.platform.recipe import RecipeError
 
     try:  # what every cell would refuse is refused once, before any cell runs
-        _prepare_data(args.recipe, args.overrides)
+        first_n, last_n = _prepare(args.recipe, args.overrides)
     except RecipeError as e:
         log.error("error: %s", e)
         return 2
     with tempfile.TemporaryDirectory(prefix="loomrl-bench-demo-") as tmp:
         workdir = Path(args.out) if args.out else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        results = run_grid(args.recipe, cells, args.overrides, workdir, args.jobs_cores)
+        results = run_grid(args.recipe, cells, args.overrides, workdir, args.jobs_cores, first_n, last_n)
     lasts = [r["last"] for r in results if r["last"] is not None]
     met = sum(r["goal_met"] is True for r in results)
     median = round(statistics.median(lasts), 4) if lasts else None
