@@ -244,15 +244,10 @@ def test_freeze_errors_name_the_key(tmp_path, tokenizer):
         Trainer(recipe, tmp_path).freeze_parts(model)
 
 
-def length_reward(text: str, record: dict) -> float:
-    """Varies within every group whose completions differ (not only in length): every step has a gradient."""
-    return sum(map(ord, text)) % 11 / 10
-
-
 def test_short_run_keeps_frozen_parts_bit_identical(tmp_path, loomrl_log):
     out = tmp_path / "run"
     overrides = [f"data.shards={tmp_path}/shards/demo-*.tar", "data.demo.samples=24",
-                 f"algorithm.reward={__name__}:length_reward", "training.steps=3", "training.warmup.steps=0",
+                 "algorithm.reward=rewards_for_tests:varied", "training.steps=3", "training.warmup.steps=0",
                  "training.mini_batches=1", "training.prompts_per_step=3", "training.micro_batch_size=6", "rollout.n=2",
                  "rollout.max_new_tokens=6", "rollout.drafter.enabled=false", "checkpoint.every=0", "goal=null",
                  "training.freeze=[vision,merger]", "training.activation_checkpointing=true"]
