@@ -47,7 +47,7 @@ def build_mini_batch(model, tokenizer, groups: int, n: int, micro_batch_size: in
         for _ in range(n):
             trajs.append(Trajectory(rec["id"], g, ids, answer, media, [0.0] * len(answer), 0.0, 0,
                                     advantage=rng.gauss(0.0, 1.0)))
-    return micro_batches(trajs, model.pad_token_id, micro_batch_size)
+    return micro_batches(trajs, model.pad_token_id, micro_batch_size, device=model.device)
 
 
 def count_tower_inputs(model) -> dict[str, int]:

@@ -70,7 +70,7 @@ def trainer_logprobs(policy, trajs: list[Trajectory], temperature: float) -> lis
     """The trainer's log-probs of each trajectory's completion: one full-sequence forward per
     micro-batch, exactly the trainer's `sequence_logprobs`."""
     out: list[list[float]] = []
-    for mb in micro_batches(trajs, policy.pad_token_id, MICRO_BATCH):
+    for mb in micro_batches(trajs, policy.pad_token_id, MICRO_BATCH, device=policy.device):
         logp, _ = policy.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature)
         out.extend(_completion_logprobs(logp, mb))
     return out
@@ -135,7 +135,7 @@ def transformers_engine(model, prompts: list[Prompt], params: SamplingParams,
     trajs = trajectories(prompts, rollouts)
     scored: list[list[float]] = []
     temperature = params.temperature if params.temperature > 0 else 1.0
-    for mb in micro_batches(trajs, policy.pad_token_id, MICRO_BATCH):
+    for mb in micro_batches(trajs, policy.pad_token_id, MICRO_BATCH, device=policy.device):
         encodings = policy.encode_media([m for row in mb.media for m in row])
         embeds = policy.embed(mb.input_ids, mb.media, encodings)
         logits = hf(inputs_embeds=embeds, attention_mask=mb.attention_mask).logits
@@ -193,7 +193,7 @@ def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: 
     prompts = to_prompts(prompt_source(recipe, shard_files(recipe), model, tokenizer, chat).next(num_prompts))
     ro = recipe.rollout
     params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
-    rollouts = ENGINES[engine](model, prompts, params, torch.Generator().manual_seed(recipe.training.seed))
+    rollouts = ENGINES[engine](model, prompts, params, torch.Generator(model.device).manual_seed(recipe.training.seed))
     trajs = trajectories(prompts, rollouts)
     return {"engine": engine, "dtype": str(DTYPE).removeprefix("torch."),
             "tokens": sum(len(t.completion_ids) for t in trajs),

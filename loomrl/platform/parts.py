@@ -72,12 +72,18 @@ def check_text_parts(recipe: R.Recipe) -> None:
 
 def build_policy_parts(recipe: R.Recipe, seed: Optional[int] = None):
     """(tokenizer, chat format, policy): the policy built from the recipe's model section
-    (`seed`: its random initialisation, default training.seed), its completions ending where the
-    chat format says (the template's end-of-turn, else the tokenizer's EOS)."""
+    (`seed`: its random initialisation, default training.seed) on this rank's device
+    (`training.device`), its completions ending where the chat format says (the template's
+    end-of-turn, else the tokenizer's EOS)."""
     from loomrl.platform.backbone.vlm import build_policy
+    from loomrl.platform.placement import choose_device
 
     tokenizer, chat = text_parts(recipe)
-    model = build_policy(recipe.model, tokenizer, recipe.training.seed if seed is None else seed)
+    try:
+        device = choose_device(recipe.training.device)
+    except ValueError as e:
+        raise R.RecipeError(str(e)) from None
+    model = build_policy(recipe.model, tokenizer, recipe.training.seed if seed is None else seed).to(device)
     if chat.stop_token_id != model.eos_token_id:
         model.set_stop_token(chat.stop_token_id)
     return tokenizer, chat, model

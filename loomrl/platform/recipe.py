@@ -600,6 +600,12 @@ class TrainingConfig:
     """Deterministic torch algorithms (bit-identical CPU runs for a seed)."""
     threads: int = ranged(0, ge=0)
     """torch intra-op threads (0 = torch's default)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where this rank's models and batches live (loomrl/platform/placement.py): `auto` is
+    `cuda:LOCAL_RANK` where torch sees CUDA, else the CPU; `cuda` refuses to start without it;
+    `cpu` never uses a GPU. Collectives: NCCL for CUDA tensors, gloo for CPU ones. Engines
+    deepspeed and megatron place their own training copy (DeepSpeed's accelerator, one GPU
+    per rank) and the rollout copy follows this setting."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Training arithmetic. `fp32`: everything in FP32. `bf16` (mixed precision, engine torch):
     FP32 master weights, gradients and AdamW state; every training forward (the loss's, and the
@@ -1376,8 +1382,8 @@ def fill_from_checkpoint(m: ModelConfig, given: Any) -> None:
 
 
 def file_problems(r: Recipe) -> list[str]:
-    """What this machine's file system lacks for the recipe: the shards, the tokenizer and the
-    checkpoint the policy starts from. `loomrl run --dry-run` reports these as notes, so a recipe
+    """What this machine lacks for the recipe: the shards, the tokenizer, the checkpoint the
+    policy starts from, and CUDA where `training.device` is `cuda`. `loomrl run --dry-run` reports these as notes, so a recipe
     for another machine (a GPU cluster) still validates here."""
     problems = []
     if r.data.demo is None and not expand_pattern(r.data.shards, "data.shards"):
@@ -1389,6 +1395,11 @@ def file_problems(r: Recipe) -> list[str]:
         problems.append(f"data.chat_template: {_show(r.data.chat_template)} is not 'auto', 'none' nor a file")
     if r.model.tokenizer != "demo" and not _is_dir(r.model.tokenizer):
         problems.append(f"model.tokenizer: {_show(r.model.tokenizer)} is not 'demo' nor a tokenizer folder")
+    if r.training.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append(f"training.device: 'cuda' but torch {torch.__version__} sees no CUDA device here")
     if r.model.init_from is not None and not _is_file(str(Path(r.model.init_from) / "config.json")):
         problems.append(f"model.init_from: {_show(r.model.init_from)} is not a local HF checkpoint folder "
                         f"(no config.json)")

@@ -50,6 +50,7 @@ from loomrl.platform.engines.base import allreduce_max, load_exported, world
 from loomrl.platform.engines.torch_engine import autocast
 from loomrl.platform.metrics import MetricsLog, read_metrics
 from loomrl.platform.parts import configure_torch, shard_files
+from loomrl.platform.placement import TRANSFERS, memory_row
 from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, micro_batches
 from loomrl.platform.trajectory.layout import layout
 
@@ -196,8 +197,8 @@ class Trainer:
         n_params = sum(p.numel() for p in model.parameters())
         stages = (f"{r.training.steps} SFT steps" if self.sft
                   else f"{r.training.warmup.steps} warm-up + {r.training.steps} RL steps")
-        log.info("[run] %s: %d shard(s), model %.2fM params, %s, %s, %s -> %s", r.name, len(files), n_params / 1e6,
-                 stages, self.chat.describe(), r.pipeline.mode, out)
+        log.info("[run] %s: %d shard(s), model %.2fM params on %s, %s, %s, %s -> %s", r.name, len(files),
+                 n_params / 1e6, model.device, stages, self.chat.describe(), r.pipeline.mode, out)
         log.info("[run] %s%s", model.describe_parts(),
                  ", activation checkpointing" if r.training.activation_checkpointing else "")
         if self.val_samples:
@@ -226,14 +227,15 @@ class Trainer:
         if r.algorithm.name == "ppo":
             ppo = r.algorithm.ppo
             if ppo.critic == "value_head":  # trained with the policy, by the policy's optimizer
-                self.value_head = ValueHead(model.language_model.cfg.hidden_size)
+                self.value_head = ValueHead(model.language_model.cfg.hidden_size).to(model.device)
                 self.extra_models["value_head"] = self.value_head
             else:
                 from loomrl.platform.engines.torch_engine import TorchTrainEngine
 
                 # the critic's weights are the policy's right after: no need to read init_from again
                 fresh = dataclasses.replace(r.model, init_from=None)
-                self.critic = build_critic(model, lambda: build_policy(fresh, self.tokenizer, r.training.seed))
+                self.critic = build_critic(model, lambda: build_policy(fresh, self.tokenizer, r.training.seed)
+                                           .to(model.device))
                 self.critic.body.set_activation_checkpointing(r.training.activation_checkpointing)
                 self.critic_engine = TorchTrainEngine(self.critic, r.training, lr=ppo.critic_lr)
                 self.extra_models["critic"] = self.critic
@@ -270,7 +272,7 @@ class Trainer:
 
         if self.source_factory is not None:
             return self.source_factory(self)
-        generator = torch.Generator().manual_seed(self.recipe.training.seed + 1000 * self.rank)
+        generator = torch.Generator(self.model.device).manual_seed(self.recipe.training.seed + 1000 * self.rank)
         return ColocatedSource(self.recipe, self.model, self.tokenizer, self.prompts,
                                build_rollout_engine(self.recipe, self.model), self.reward_fn,
                                TrajectoryStore(self.recipe.rollout.n), generator)
@@ -329,7 +331,7 @@ class Trainer:
         for s, text in zip(samples, targets):
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [model.eos_token_id]
             trajs.append(Trajectory(s.id, 0, s.ids, ids, s.media, [0.0] * len(ids), 0.0, 0))
-        return micro_batches(trajs, model.pad_token_id, self.recipe.training.micro_batch_size)
+        return micro_batches(trajs, model.pad_token_id, self.recipe.training.micro_batch_size, device=model.device)
 
     def sft_step(self, step: int) -> dict:
         """One supervised step (`algorithm.name: sft`): training.prompts_per_step samples with answers,
@@ -400,7 +402,7 @@ class Trainer:
         engine = TorchRolloutEngine(self.model, None)
         params = SamplingParams(n=1, temperature=v.temperature, top_p=ro.top_p if v.temperature > 0 else 1.0,
                                 max_new_tokens=v.max_new_tokens or ro.max_new_tokens)
-        generator = torch.Generator().manual_seed(self.recipe.training.seed + 7919)  # the same draws every time
+        generator = torch.Generator(self.model.device).manual_seed(self.recipe.training.seed + 7919)  # the same draws every time
         texts, lengths, stops = [], [], 0
         for i in range(0, len(self.val_samples), v.batch_size):
             chunk = self.val_samples[i:i + v.batch_size]
@@ -480,6 +482,7 @@ class Trainer:
         r, a, tr = self.recipe, self.recipe.algorithm, self.recipe.training
         phases = Phases()
         t_step = time.perf_counter()
+        TRANSFERS.take()  # count this step's copies from here
         faults.current_step = step
         if scheduled(tr):  # a function of the step, so a resume sets it again
             self.engine.set_lr(rl_lr(tr, step))
@@ -510,7 +513,7 @@ class Trainer:
 
                         mismatch = mismatch_metrics(self.model, [t for b in batches for t in b], r.rollout.temperature)
                     queue = [(b, layout(b, self.model.pad_token_id, tr.micro_batch_size,
-                                        r.pipeline.tokens_per_micro_batch)) for b in batches]
+                                        r.pipeline.tokens_per_micro_batch, self.model.device)) for b in batches]
                     for k, v in self.prepare(queue).items():
                         adv_stats[k] = adv_stats.get(k, 0.0) + v / tr.mini_batches * len(queue)
             trajs, mbs = queue.pop(0)
@@ -569,6 +572,8 @@ class Trainer:
             "staleness_max": max(staleness),
             **enc.as_dict(),  # enc_media_total/unique, enc_calls, enc_bytes_*, enc_*_s, enc_cache_*
             "enc_cache_entries": len(self.model.encoding_cache),
+            **TRANSFERS.take(),  # h2d_copies, h2d_mb, d2h_copies, d2h_mb: this step's host <-> device copies
+            **memory_row(self.model.device),  # device_peak_mb on a GPU
         }
         row.update(rollout_metrics)  # the source's: rollout_s (generation), tokens_per_s, drafting, ...
         if "trainer_idle_s" in row:  # disaggregated: the share of the step spent waiting for admission

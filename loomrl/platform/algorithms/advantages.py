@@ -9,6 +9,7 @@ import torch
 
 from loomrl.platform.algorithms.grpo import group_advantages
 from loomrl.platform.algorithms.ppo import gae, token_rewards, whiten
+from loomrl.platform.placement import to_device
 
 
 def _rollout_kl(mb) -> torch.Tensor:
@@ -39,7 +40,8 @@ def assign_advantages(algorithm, group_size: int, rewards: torch.Tensor, trajs: 
         for t, v in zip(trajs, adv.tolist()):
             t.advantage = v
         for mb in mbs:
-            mb.advantages = torch.tensor([t.advantage for t in mb.trajectories], dtype=torch.float32)
+            mb.advantages = to_device(torch.tensor([t.advantage for t in mb.trajectories], dtype=torch.float32),
+                                      mb.loss_mask.device)
         return stats
     if a.name != "ppo":
         raise ValueError(f"unknown algorithm {a.name!r}")
@@ -48,7 +50,7 @@ def assign_advantages(algorithm, group_size: int, rewards: torch.Tensor, trajs: 
     for mb in mbs:
         if mb.values is None:
             raise ValueError("PPO needs the critic's values filled before the advantages")
-        r = torch.stack([rewards[index[id(t)]] for t in mb.trajectories]).float()
+        r = to_device(torch.stack([rewards[index[id(t)]] for t in mb.trajectories]).float(), mb.loss_mask.device)
         kl = _rollout_kl(mb) if kl_in_reward else None
         if kl is not None:
             kl_sum += float(kl.sum())

@@ -21,7 +21,7 @@ def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | 
     t = torch.arange(mask.shape[1], device=mask.device)
     last = (mask * t).argmax(-1)  # index of the last completion position per row
     out = torch.zeros_like(mask)
-    out[torch.arange(mask.shape[0]), last] = rewards.to(out.dtype)
+    out[torch.arange(mask.shape[0], device=mask.device), last] = rewards.to(out)
     if kl is not None and kl_coef:
         out = out - kl_coef * kl * mask
     return out

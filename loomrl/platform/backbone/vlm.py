@@ -48,6 +48,7 @@ from loomrl.encoders.vision import build_vision_tower, encode_images, num_image_
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, KVCache
 from loomrl.platform.backbone.rounding import Regions
 from loomrl.platform.backbone.mrope import rope_index
+from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER, media_layout
 from loomrl.platform.recipe import ENCODER_PARTS, FREEZE_PARTS, ModelConfig
 
@@ -222,6 +223,11 @@ class VLM(nn.Module):
         """The towers this model has (vision, audio; an absent one is left out)."""
         return [t for t in (self.visual, self.audio_tower) if t is not None]
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are (`training.device`, see loomrl/platform/placement.py)."""
+        return self.banned_token_ids.device
+
     def tower_of(self, kind: str) -> nn.Module:
         """The tower that encodes `kind`; a ValueError naming the checkpoint when the model has none."""
         tower = self.visual if kind == "image" else self.audio_tower if kind == "audio" else None
@@ -275,15 +281,16 @@ class VLM(nn.Module):
         if any(m.kind not in ("image", "audio") for m in media):
             raise ValueError(f"unknown medium kinds {sorted({m.kind for m in media})}")
         out: list[torch.Tensor | None] = [None] * len(media)
+        dev = self.device
         images = [i for i, m in enumerate(media) if m.kind == "image"]
         if images:
-            enc = encode_images(self.tower_of("image"), torch.cat([media[i].features for i in images]),
-                                torch.stack([media[i].grid for i in images]))
+            enc = encode_images(self.tower_of("image"), to_device(torch.cat([media[i].features for i in images]), dev),
+                                to_device(torch.stack([media[i].grid for i in images]), dev))
             for i, e in zip(images, enc.split([self.media_tokens(media[i]) for i in images])):
                 out[i] = e
         clips = [i for i, m in enumerate(media) if m.kind == "audio"]
         if clips:
-            enc = encode_audio(self.tower_of("audio"), torch.stack([media[i].features for i in clips]))
+            enc = encode_audio(self.tower_of("audio"), to_device(torch.stack([media[i].features for i in clips]), dev))
             for i, e in zip(clips, enc):
                 out[i] = e
         return out
@@ -376,8 +383,10 @@ class VLM(nn.Module):
         if self.language_model.cfg.mrope_section is None or self.image_token_id is None:
             return (attention_mask.long().cumsum(-1) - 1).clamp(min=0), None
         grids = [[m.grid for m in row if m.kind == "image"] for row in row_media]
-        return rope_index(input_ids, attention_mask, grids, self.image_token_id,
-                          self.cfg.vision.spatial_merge_size)
+        # a walk over each row's tokens: on the host, then the positions to the model's device
+        positions, deltas = rope_index(to_host(input_ids), to_host(attention_mask), grids, self.image_token_id,
+                                       self.cfg.vision.spatial_merge_size)
+        return to_device(positions, input_ids.device), to_device(deltas, input_ids.device)
 
     def forward_embeds(self, embeds: torch.Tensor, attention_mask: torch.Tensor,
                        cache: KVCache | None = None, positions: Optional[torch.Tensor] = None,

@@ -55,6 +55,8 @@ def init_distributed() -> None:
     # The engines' own collectives (stats, gradient sums, state gathers, Megatron's norm)
     # use CPU tensors, which NCCL refuses: on GPU machines CPU tensors go through gloo.
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():  # NCCL's collectives run on this rank's GPU (placement.choose_device's)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if launched():
         dist.init_process_group(backend)
     else:  # one process: the environment a launcher would give it (DeepSpeed reads LOCAL_RANK)

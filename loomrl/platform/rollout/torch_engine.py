@@ -30,6 +30,7 @@ from typing import Iterable, Optional
 import torch
 
 from loomrl.platform.backbone.vlm import VLM
+from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.recipe import DrafterConfig
 from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.drafter import Draft, NgramDrafter
@@ -49,14 +50,16 @@ def target_probs(logp: torch.Tensor, temperature: float, top_p: float) -> torch.
     return probs
 
 
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(rows: list[list[int]], pad_id: int, device: torch.device = torch.device("cpu")
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and attention mask, built on the host and moved to `device` once."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
         mask[i, width - len(r):] = 1
-    return ids, mask
+    return to_device(ids, device), to_device(mask, device)
 
 
 @dataclass
@@ -131,7 +134,8 @@ class TorchRolloutEngine:
         b = len(rows)
         row_media = [prompts[pi].media for pi, _ in rows]
         encodings = model.encode_media([m for p in prompts for m in p.media])
-        ids, mask = left_pad([prompts[pi].ids for pi, _ in rows], model.pad_token_id)
+        dev = model.device  # every tensor below is made there, and the generator draws there
+        ids, mask = left_pad([prompts[pi].ids for pi, _ in rows], model.pad_token_id, dev)
         # M-RoPE: image tokens take (t, h, w) positions; generated tokens continue from the
         # prompt's largest position + 1 (rope_deltas), as in transformers' Qwen2-VL
         positions, rope_deltas = model.position_ids(ids, mask, row_media)
@@ -141,8 +145,9 @@ class TorchRolloutEngine:
         logp = model.token_logprobs(logits[:, -1], report_t)
         first = torch.multinomial(target_probs(logp, params.temperature, params.top_p), 1,
                                   generator=generator).squeeze(-1)
-        tokens = [[int(t)] for t in first]
-        logps = [[float(logp[i, t])] for i, t in enumerate(first)]
+        first_logp = logp.gather(-1, first[:, None]).squeeze(-1)
+        tokens = [[t] for t in to_host(first).tolist()]
+        logps = [[x] for x in to_host(first_logp).tolist()]
         done = [params.max_new_tokens <= 1 or t[0] == model.eos_token_id for t in tokens]
         states = ([self.drafter.start(prompts[pi].id, prompts[pi].ids + tokens[i]) for i, (pi, _) in enumerate(rows)]
                   if self.drafter else None)
@@ -161,10 +166,16 @@ class TorchRolloutEngine:
             width = 1 + max((len(drafts[i].tokens) for i in live if i in drafts), default=0)
             step_ids = torch.full((b, width), model.pad_token_id, dtype=torch.long)
             step_mask = torch.zeros((b, width), dtype=torch.long)
+            draft = torch.full((b, width - 1), -1, dtype=torch.long)
             for i in live:
                 d = drafts[i].tokens if i in drafts else []
                 step_ids[i, :1 + len(d)] = torch.tensor([tokens[i][-1]] + d)
                 step_mask[i, :1 + len(d)] = 1
+                draft[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+            # the host-built step (ids, mask, drafts, finished rows) goes to the device in one copy
+            step = to_device(torch.cat([step_ids, step_mask, draft,
+                                        torch.tensor([[int(x)] for x in done], dtype=torch.long)], dim=1), dev)
+            step_ids, step_mask, draft, finished = step.split([width, width, width - 1, 1], dim=1)
             mask = torch.cat([mask, step_mask], dim=1)
             col0 = mask.shape[1] - width
             future = self._pool.submit(self._prefetch, states, dict(drafts), k) if self._pool and drafts else None
@@ -175,35 +186,40 @@ class TorchRolloutEngine:
             probs = target_probs(logp, params.temperature, params.top_p)
             prepared = future.result() if future is not None else {}
             # Verify every row at once: accepted length j, then the bonus token.
-            draft = torch.full((b, width - 1), -1, dtype=torch.long)
-            for i in live:
-                if i in drafts and drafts[i].tokens:
-                    draft[i, :len(drafts[i].tokens)] = torch.tensor(drafts[i].tokens)
             valid = draft >= 0
             p_draft = probs[:, :-1].gather(-1, draft.clamp(min=0)[..., None]).squeeze(-1)
-            u = torch.rand((b, width - 1), generator=generator)
+            u = torch.rand((b, width - 1), generator=generator, device=dev)
             accept = (u < p_draft) & valid
             j = accept.long().cumprod(dim=1).sum(dim=1)                          # [B]
-            rows_ = torch.arange(b)
+            rows_ = torch.arange(b, device=dev)
             dist = probs[rows_, j].clone()                                      # [B, V]
             rejected = j < valid.sum(dim=1)
             # residual of a rejected deterministic draft: p' without the drafted token
             dist[rows_[rejected], draft[rows_[rejected], j[rejected]]] = 0.0
-            dist[~torch.tensor([not done[i] for i in range(b)])] = 1.0  # finished rows: any token
+            dist[finished[:, 0].bool()] = 1.0  # finished rows: any token
             bonus = torch.multinomial(dist / dist.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)
-            committed = torch.where(torch.arange(width)[None, :] < j[:, None],
-                                    torch.cat([draft.clamp(min=0), torch.zeros((b, 1), dtype=torch.long)], dim=1),
+            committed = torch.where(torch.arange(width, device=dev)[None, :] < j[:, None],
+                                    torch.cat([draft.clamp(min=0), torch.zeros((b, 1), dtype=torch.long, device=dev)],
+                                              dim=1),
                                     bonus[:, None])                             # [B, W]; valid up to j
             committed_logp = logp.gather(-1, committed[..., None]).squeeze(-1)
             # roll back: draft columns at or after the first rejection leave attention
-            cols = torch.arange(1, width)[None, :]
+            cols = torch.arange(1, width, device=dev)[None, :]
             mask[:, col0 + 1:] = mask[:, col0 + 1:] * ((cols - 1) < j[:, None]).long()
-            n_drafted = valid.sum(dim=0).tolist()
-            n_accepted = accept.long().cumprod(dim=1).sum(dim=0).tolist()
+            # what the host needs of this forward, in one copy: per row j and the committed
+            # tokens with their log-probs, per draft position the drafted and accepted counts
+            n_drafted = valid.sum(dim=0)
+            n_accepted = accept.long().cumprod(dim=1).sum(dim=0)
+            host = to_host(torch.cat([j[:, None].double(), committed.double(), committed_logp.double(),
+                                      torch.cat([n_drafted, n_accepted]).double()[None].expand(b, -1)], dim=1))
+            j_list = host[:, 0].long().tolist()
+            comm_list = host[:, 1:1 + width].long().tolist()
+            comm_logp = host[:, 1 + width:1 + 2 * width].tolist()
+            n_drafted = host[0, 1 + 2 * width:1 + 2 * width + width - 1].long().tolist()
+            n_accepted = host[0, 1 + 2 * width + width - 1:].long().tolist()
             for pos in range(width - 1):
                 stats.drafted_by_pos[pos] += n_drafted[pos]
                 stats.accepted_by_pos[pos] += n_accepted[pos]
-            j_list, comm_list, comm_logp = j.tolist(), committed.tolist(), committed_logp.tolist()
             next_drafts: dict[int, Draft] = {}
             memo = {}
             for i in live:

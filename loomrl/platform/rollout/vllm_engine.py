@@ -63,6 +63,7 @@ from loomrl.platform.recipe import DrafterConfig, VLLMConfig
 from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.torch_engine import DraftStats
 from loomrl.platform.rollout import vllm_proposer as P
+from loomrl.platform.placement import to_device, to_host
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM-CPU attention kernels
 
@@ -286,7 +287,8 @@ class VLLMRolloutEngine:
                     out.append(self._mrope_input(p, encodings))
                     continue
                 ids = torch.tensor([p.ids])
-                emb = model.embed(ids, [p.media], encodings)[0].to(torch.float32)
+                # vLLM takes prompt embeddings on the host (it ships them to its engine process)
+                emb = to_host(model.embed(to_device(ids, model.device), [p.media], encodings)[0].to(torch.float32))
                 is_media = (ids[0] == model.image_token_id) | (ids[0] == model.audio_token_id)
                 out.append({"prompt_embeds": emb, "prompt_token_ids": list(p.ids),
                             "prompt_is_token_ids": (~is_media).tolist()})
@@ -314,7 +316,7 @@ class VLLMRolloutEngine:
         inp: dict = {"prompt_token_ids": collapsed + ids[i:]}
         if p.media:
             inp["multi_modal_data"] = {"image": {
-                "image_embeds": torch.cat([encodings[m.key] for m in p.media]).to(torch.float32),
+                "image_embeds": to_host(torch.cat([encodings[m.key] for m in p.media]).to(torch.float32)),
                 "image_grid_thw": torch.stack([m.grid for m in p.media])}}
         return inp
 
@@ -345,7 +347,8 @@ class VLLMRolloutEngine:
         inputs = self._prompt_inputs(prompts)
         # One request per sample (greedy requests must have n = 1), each with its own seed
         # drawn from the run's generator, so a seeded run is reproducible.
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts) * params.n,), generator=generator).tolist()
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts) * params.n,), generator=generator,
+                          device=generator.device if generator is not None else None).tolist()
         engine = self.llm.llm_engine
         detok = {"detokenize": False} if self.mrope else {}  # the M-RoPE path loads a tokenizer
         for pi, inp in enumerate(inputs):
@@ -464,7 +467,7 @@ def logprob_gap(engine, model, prompts: list[Prompt], params: SamplingParams,
     trajs = [Trajectory(prompts[r.prompt_index].id, r.prompt_index, prompts[r.prompt_index].ids,
                         r.completion_ids, prompts[r.prompt_index].media, r.logprobs, 0.0, 0)
              for r in res.rollouts]
-    mb = collate(trajs, model.pad_token_id)
+    mb = collate(trajs, model.pad_token_id, model.device)
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -541,7 +544,8 @@ def generate_native(llm, prompts: list[dict], params: SamplingParams,
     model_config = llm.llm_engine.model_config
     banned = set(media_token_ids(model_config.hf_config))
     allowed = [i for i in range(model_config.get_vocab_size()) if i not in banned]
-    seeds = torch.randint(0, 2**31 - 1, (len(prompts) * params.n,), generator=generator).tolist()
+    seeds = torch.randint(0, 2**31 - 1, (len(prompts) * params.n,), generator=generator,
+                          device=generator.device if generator is not None else None).tolist()
     # one request per sample, each with its own seed (as in VLLMRolloutEngine.generate)
     sps = [VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
                logprobs=0, seed=seed, detokenize=False, allowed_token_ids=allowed) for seed in seeds]

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from loomrl.encoders.media import Medium
+from loomrl.platform.placement import to_device
 
 
 @dataclass
@@ -41,7 +42,8 @@ class MicroBatch:
     trajectories: list[Trajectory] = field(default_factory=list)
 
 
-def collate(trajs: list[Trajectory], pad_id: int) -> MicroBatch:
+def collate(trajs: list[Trajectory], pad_id: int, device: torch.device = torch.device("cpu")) -> MicroBatch:
+    """Right-padded tensors of `trajs`, built on the host and moved to `device` (the model's)."""
     width = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
     b = len(trajs)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
@@ -56,6 +58,7 @@ def collate(trajs: list[Trajectory], pad_id: int) -> MicroBatch:
         loss_mask[i, p - 1:p - 1 + n] = 1  # position j predicts token j+1
         rollout_logp[i, p - 1:p - 1 + n] = torch.tensor(t.rollout_logprobs)
     adv = torch.tensor([t.advantage for t in trajs], dtype=torch.float32)
+    ids, attn, loss_mask, adv, rollout_logp = (to_device(x, device) for x in (ids, attn, loss_mask, adv, rollout_logp))
     return MicroBatch(ids, attn, loss_mask, [t.media for t in trajs], adv, rollout_logp, trajectories=trajs)
 
 
@@ -64,15 +67,16 @@ def split(items: list, size: int) -> list[list]:
 
 
 def micro_batches(trajs: list[Trajectory], pad_id: int, micro_batch_size: int,
-                  rows: Optional[list[list[int]]] = None) -> list[MicroBatch]:
+                  rows: Optional[list[list[int]]] = None,
+                  device: torch.device = torch.device("cpu")) -> list[MicroBatch]:
     """One mini-batch as its micro-batches, each loss normalised by the mini-batch's
     completion tokens (so accumulated micro-batch losses add up to the mini-batch loss).
 
     rows: the indices of each micro-batch (`layout.plan`); None = consecutive chunks of
-    `micro_batch_size`."""
+    `micro_batch_size`. device: where the tensors go (the model's)."""
     chunks = split(trajs, micro_batch_size) if rows is None else [[trajs[i] for i in idx] for idx in rows]
-    mbs = [collate(c, pad_id) for c in chunks]
-    total = float(sum(mb.loss_mask.sum() for mb in mbs))
+    mbs = [collate(c, pad_id, device) for c in chunks]
+    total = float(sum(len(t.completion_ids) for t in trajs))  # the loss masks' sum, counted on the host
     for mb in mbs:
         mb.normaliser = total
         mb.sequences = len(trajs)

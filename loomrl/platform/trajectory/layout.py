@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, micro_batches
 
 
@@ -35,10 +37,11 @@ def plan(lengths: list[int], micro_batch_size: int, tokens_per_micro_batch: int 
 
 
 def layout(trajs: list[Trajectory], pad_id: int, micro_batch_size: int,
-           tokens_per_micro_batch: int = 0) -> list[MicroBatch]:
-    """One mini-batch as its micro-batches (`batch.micro_batches` with the packing `plan`)."""
+           tokens_per_micro_batch: int = 0, device: torch.device = torch.device("cpu")) -> list[MicroBatch]:
+    """One mini-batch as its micro-batches on `device` (`batch.micro_batches` with the packing `plan`)."""
     lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
-    return micro_batches(trajs, pad_id, micro_batch_size, plan(lengths, micro_batch_size, tokens_per_micro_batch))
+    return micro_batches(trajs, pad_id, micro_batch_size, plan(lengths, micro_batch_size, tokens_per_micro_batch),
+                         device)
 
 
 @dataclass

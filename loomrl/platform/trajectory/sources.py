@@ -258,7 +258,7 @@ class ColocatedSource:
         plain_first = compare_now and (step // every) % 2 == 0
 
         def plain_run():
-            return self.rollout.generate_plain(local, self.params, torch.Generator().manual_seed(step))
+            return self.rollout.generate_plain(local, self.params, torch.Generator(self.model.device).manual_seed(step))
 
         plain = plain_run() if plain_first else None
         result = self.rollout.generate(local, self.params, self.generator)
@@ -335,7 +335,8 @@ class ColocatedSource:
             params = copy.copy(self.params)
             params.n = 2
             self.metrics["vllm_sync_logp_diff"] = logprob_gap(
-                self.rollout, self.model, self.last_prompts[:2], params, torch.Generator().manual_seed(step))[0]
+                self.rollout, self.model, self.last_prompts[:2], params,
+                torch.Generator(self.model.device).manual_seed(step))[0]
         return self.metrics
 
     def accounting(self) -> dict:
