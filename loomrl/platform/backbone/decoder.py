@@ -78,7 +78,8 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
     """FP32 cos/sin of shape [B, T, head_dim] for integer positions [B, T], or [3, B, T]
     with `mrope_section` (frequency band i takes its angle from position row i % 3,
     as transformers' Qwen2-VL / Qwen2.5-VL text rotary embedding does)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     if mrope_section is None:
         if position_ids.dim() != 2:
             raise ValueError(f"position ids must be [B, T] without mrope_section, got {list(position_ids.shape)}")

@@ -126,7 +126,7 @@ def allreduce_grads(params: list[nn.Parameter], group=None) -> None:
     grad None (so the optimizer skips it, as the single-process engine does)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
-    has = torch.tensor([float(p.grad is not None) for p in params])
+    has = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                       for p in params] + [has])
     dist.all_reduce(flat, group=group)
