@@ -12,6 +12,8 @@ prompts' difficulty cancels out of the comparison.
 import json
 from pathlib import Path
 
+import pytest
+
 from loomrl.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,10 +29,13 @@ def rewards(tmp_path, name, demo_shards, extra=()):
     return [json.loads(x)["reward_mean"] for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_demo_rl_raises_the_reward_above_a_control_that_does_not_learn(tmp_path, demo_shards):
+@pytest.mark.parametrize("extra", [[], ["model.lora.rank=8"]], ids=["full", "lora"])
+def test_demo_rl_raises_the_reward_above_a_control_that_does_not_learn(tmp_path, demo_shards, extra):
+    """`lora`: the same with LoRA adapters on the language model (its own weights frozen; warm-up
+    and RL train the adapters, towers and embeddings)."""
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    learner = rewards(tmp_path, "learn", demo_shards)
-    control = rewards(tmp_path, "control", demo_shards, ["training.lr=1e-12"])
+    learner = rewards(tmp_path, "learn", demo_shards, extra)
+    control = rewards(tmp_path, "control", demo_shards, [*extra, "training.lr=1e-12"])
     assert control[0] == learner[0]  # the same warm-up and first rollouts
     assert mean(learner[-15:]) >= mean(control[-15:]) + 0.03, (learner, control)
     assert mean(learner[-10:]) >= mean(learner[:5]) + 0.05, learner

@@ -85,6 +85,56 @@ def test_sampling_distribution_unchanged_by_drafting(peaky_model):
     assert_same_per_position(counts["plain"], counts["spec"], min_df=1)
 
 
+def test_sampling_distribution_unchanged_by_drafting_with_top_p(peaky_model):
+    """The same with a nucleus (top_p 0.9, temperature 1.5): drafts are accepted against the
+    truncated, renormalised distribution, so every sampled token must stay inside it too."""
+    prompt = [Prompt("p0", [8, 9, 12, 15, 20], [])]
+    params = SamplingParams(n=500, temperature=1.5, top_p=0.9, max_new_tokens=5)
+    plain = TorchRolloutEngine(peaky_model)
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, max_history=64, max_history_tokens=10**6))
+    warm(spec, prompt, SamplingParams(n=30, temperature=1.5, top_p=0.9, max_new_tokens=5), rounds=1, seed=9)
+    counts = {"plain": [{} for _ in range(4)], "spec": [{} for _ in range(4)]}
+    g = torch.Generator().manual_seed(2)
+    accepted = 0
+    for _ in range(6):
+        for name, eng in (("plain", plain), ("spec", spec)):
+            tally_positions(counts[name], eng.generate(prompt, params, g).rollouts)
+        accepted += sum(spec.last_stats.accepted_by_pos)
+    assert accepted > 1000
+    assert_same_per_position(counts["plain"], counts["spec"], min_df=1)
+
+
+def test_trace_replay_counts_tokens_per_forward_as_worked_by_hand():
+    """bench_drafter.replay on a fixture: a drafter that always gets 2 of its 3 tokens right.
+    Row `a` (7 tokens): forward 1 gives token 1; then [c1, c2, X] accepts 2 + the bonus (3 tokens),
+    twice: 3 forwards, 7 tokens. Row `b` (round 0, a warm-up) is replayed but not counted."""
+    from loomrl.platform.rollout.bench_drafter import replay
+
+    rows = [{"round": 0, "completion_ids": [9, 9, 9, 9]},
+            {"round": 1, "completion_ids": [1, 2, 3, 4, 5, 6, 7]}]
+
+    def make():
+        state = {"row": None, "pos": 0}
+
+        def start(row):
+            state.update(row=row["completion_ids"], pos=0)
+
+        def propose(n):
+            truth = state["row"][state["pos"]:]
+            return (truth[:2] + [-1])[:n]
+
+        def commit(tokens):
+            state["pos"] += len(tokens)
+
+        return start, propose, commit, lambda row: None
+
+    tally = replay(rows, 3, make)
+    assert (tally.tokens, tally.forwards, tally.drafts, tally.accepted) == (7, 3, 2, 4)
+    summary = tally.summary()
+    assert summary["tokens_per_forward"] == 7 / 3 and summary["mean_accepted"] == 2.0
+    assert summary["acceptance_by_position"] == [1.0, 1.0, 0.0]
+
+
 def test_prefetch_and_fallback_commit_the_same_tokens(peaky_model):
     prompts = text_prompts()
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
