@@ -149,8 +149,8 @@ def torch_engine(model, prompts: list[Prompt], params: SamplingParams,
 def transformers_engine(model, prompts: list[Prompt], params: SamplingParams,
                         generator: Optional[torch.Generator] = None) -> list[Rollout]:
     """Tokens from the built-in engine, log-probs from transformers' Qwen2ForCausalLM in BF16
-    (the policy's language model exported with hf_io; the media encoded by the policy's towers,
-    rounded to BF16 and spliced into inputs_embeds)."""
+    (the policy's language model exported with hf_io; the policy's media encodings,
+    `policy_encodings`, rounded to BF16 and spliced into inputs_embeds)."""
     from transformers import Qwen2ForCausalLM
 
     from loomrl.platform.backbone.hf_io import export_language_model
@@ -161,10 +161,10 @@ def transformers_engine(model, prompts: list[Prompt], params: SamplingParams,
         folder = export_language_model(policy.language_model, Path(tmp) / "lm", DTYPE)
         hf = Qwen2ForCausalLM.from_pretrained(str(folder), dtype=DTYPE, attn_implementation="sdpa").eval()
     trajs = trajectories(prompts, rollouts)
+    encodings = policy_encodings(model, trajs)  # what `measure` splices in
     scored: list[list[float]] = []
     temperature = params.temperature if params.temperature > 0 else 1.0
     for mb in micro_batches(trajs, policy.pad_token_id, MICRO_BATCH, device=policy.device):
-        encodings = policy.encode_media([m for row in mb.media for m in row])
         embeds = policy.embed(mb.input_ids, mb.media, encodings)
         logits = hf(inputs_embeds=embeds, attention_mask=mb.attention_mask).logits
         logp = policy.token_logprobs(logits[:, :-1], temperature)
