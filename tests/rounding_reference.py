@@ -1,5 +1,5 @@
 """A Qwen2 decoder forward written out by hand, in the working dtype of its inputs, with every
-rounding region (RoPE, SwiGLU, residual add + RMSNorm) computed in FP32 and rounded once at its
+rounding region (RoPE, SwiGLU, residual add + RMSNorm, attention) computed in FP32 and rounded once at its
 output: the documented meaning of `aligned`, written independently of the backbone's code."""
 import torch
 import torch.nn.functional as F
@@ -36,8 +36,8 @@ def aligned_logits(dec, embeds: torch.Tensor, position_ids: torch.Tensor, key_ma
         q = rope(linear(y, pre + "self_attn.q_proj").view(b, t, h, d).transpose(1, 2))
         k = rope(linear(y, pre + "self_attn.k_proj").view(b, t, kv, d).transpose(1, 2))
         v = linear(y, pre + "self_attn.v_proj").view(b, t, kv, d).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1),
-                                           attn_mask=mask)
+        a = F.scaled_dot_product_attention(q.float(), k.repeat_interleave(h // kv, 1).float(),
+                                           v.repeat_interleave(h // kv, 1).float(), attn_mask=mask).to(dt)
         a = linear(a.transpose(1, 2).reshape(b, t, h * d), pre + "self_attn.o_proj")
         y, residual = add_norm(a, residual, p[pre + "post_attention_layernorm.weight"])
         gate, up = linear(y, pre + "mlp.gate_proj"), linear(y, pre + "mlp.up_proj")

@@ -25,7 +25,7 @@ def _doctor(capsys, demo_shards, engine):
     report = json.loads(out.strip().splitlines()[-1])
     assert set(report) == {"engine", "dtype", "tokens", "settings"}
     assert report["engine"] == engine and report["dtype"] == "bfloat16" and report["tokens"] > 0
-    assert list(report["settings"]) == ["native", "rope", "swiglu", "rmsnorm", "aligned", "vllm"]
+    assert list(report["settings"]) == ["native", "rope", "swiglu", "rmsnorm", "attention", "aligned", "vllm"]
     assert all(set(row) == FIELDS for row in report["settings"].values())
     assert "| aligned |" in out  # the table precedes the JSON line
     return report["settings"]

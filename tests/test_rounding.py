@@ -1,5 +1,6 @@
 """Where each rounding mode rounds: native == transformers' Qwen2 modules bit for bit in BF16;
-aligned == a hand-written FP32 computation rounded once; FP32 identical in every mode."""
+aligned == a hand-written FP32 computation rounded once; FP32 identical in every mode (the vllm
+attention formula, which FP32 does not run, equal to SDPA to 1e-6 with its gradients)."""
 import copy
 
 import pytest
@@ -85,11 +86,53 @@ def test_aligned_regions_round_once_from_fp32():
     assert not torch.equal(got, R.apply_rope(x, cos, sin, "native"))
 
 
+def _attention_inputs(dtype, seed=0, t=11):
+    """q [2, 4, t, 16], k/v the same (GQA already repeated), a causal mask with right padding."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = ((torch.randn(2, 4, t, 16, generator=g) * 2).to(dtype) for _ in range(3))
+    key_mask = torch.ones(2, t, dtype=torch.bool)
+    key_mask[1, -4:] = False
+    mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & key_mask[:, None, None, :]
+    return q, k, v, mask | torch.eye(t, dtype=torch.bool)[None, None]
+
+
+def test_fp32_attention_modes_and_the_vllm_formula():
+    """In FP32 every attention mode is torch's SDPA (bit-identical); the vllm formula itself, run in
+    FP32, equals it to 1e-6 in the output and in the gradients of q, k and v (relative to their size)."""
+    q, k, v, mask = _attention_inputs(torch.float32)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for mode in ("native", "aligned", "vllm"):
+        assert torch.equal(R.attention(q, k, v, mask, mode), want)
+    grads = []
+    for fn in (lambda *a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3]), R.vllm_attention):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = fn(*leaves, mask)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([out.detach()] + [x.grad for x in leaves])
+    (out, *grad), (vllm_out, *vllm_grad) = grads
+    torch.testing.assert_close(vllm_out, out, atol=1e-6, rtol=0)
+    for a, b in zip(grad, vllm_grad):  # a few FP32 ulps of the gradient's scale (~5)
+        assert (b - a).abs().max() <= 1e-6 * a.abs().max()
+
+
+def test_bf16_vllm_attention_has_a_gradient():
+    q, k, v, mask = _attention_inputs(BF16, seed=1)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    R.attention(*leaves, mask, "vllm").float().pow(2).sum().backward()
+    ref = [x.float().requires_grad_(True) for x in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, attn_mask=mask).pow(2).sum().backward()
+    for x, r in zip(leaves, ref):  # the FP32 gradient up to BF16 rounding
+        assert x.grad is not None and x.grad.dtype == BF16
+        assert (x.grad.float() - r.grad).norm() <= 0.02 * r.grad.norm()
+
+
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="swiglu"):
         R.swiglu(torch.zeros(2), torch.zeros(2), "fast")
     with pytest.raises(ValueError, match="rope"):
         Regions(rope="bf16")
+    with pytest.raises(ValueError, match="attention"):
+        Regions(attention="flash")
 
 
 def _decoder(seed=0, tie=True):

