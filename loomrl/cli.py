@@ -194,10 +194,17 @@ def recipe_diff(a: str, b: str) -> list[str]:
 
 
 def cmd_report(args) -> int:
-    from loomrl.platform.report import write_report
+    from loomrl.platform.report import write_comparison, write_report
 
+    if (len(args.run_dir) > 1) != bool(args.out):
+        print("error: several run folders are overlaid into one --out FILE.png; one run folder gets its own "
+              "DIR/report.png (no --out)", file=sys.stderr)
+        return 2
     try:
-        print(write_report(Path(args.run_dir)))
+        if len(args.run_dir) > 1:
+            print(write_comparison([Path(d) for d in args.run_dir], Path(args.out)))
+        else:
+            print(write_report(Path(args.run_dir[0])))
     except (OSError, ValueError) as e:  # not a run folder, a malformed metrics row, a read-only folder
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -311,8 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=steps_count, metavar="N",
                    help="stop after N RL steps in total, with a checkpoint")
     p.set_defaults(fn=cmd_run)
-    p = sub.add_parser("report", help="plot DIR/metrics.jsonl into DIR/report.png")
-    p.add_argument("run_dir")
+    p = sub.add_parser("report", help="plot DIR/metrics.jsonl into DIR/report.png, or overlay several runs")
+    p.add_argument("run_dir", nargs="+", help="a run folder; several: their curves overlaid (needs --out)")
+    p.add_argument("--out", metavar="FILE.png", help="the overlay's file (several run folders)")
     p.set_defaults(fn=cmd_report)
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder (transformers, vLLM)")
     p.add_argument("checkpoint", help="RUN/checkpoints/step-N, or a run folder RUN (its newest checkpoint)")

@@ -57,13 +57,24 @@ def test_short_run_then_report(tmp_path, capsys):
     assert (out / "metrics.jsonl").read_bytes() == before
 
 
-def test_deterministic_runs_match(tmp_path):
+def test_deterministic_runs_match(tmp_path, capsys):
     assert short_run(tmp_path, "a") == 0
     assert short_run(tmp_path, "b") == 0
     keep = ("reward_mean", "loss", "entropy", "response_len")
     rows = [[{k: r[k] for k in keep} for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())]
             for d in ("a", "b")]
     assert rows[0] == rows[1]
+    # the two runs overlaid in one figure; several folders need --out, one folder takes none
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp" / "ab.png")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "cmp" / "ab.png")
+    with Image.open(tmp_path / "cmp" / "ab.png") as im:
+        assert im.format == "PNG" and im.width > 400
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert main(["report", str(tmp_path / "a"), "--out", str(tmp_path / "x.png")]) == 2
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "missing"), "--out", str(tmp_path / "y.png")]) == 2
+    assert "missing/metrics.jsonl: not found" in capsys.readouterr().err
+    assert not (tmp_path / "y.png").exists() and not (tmp_path / "x.png").exists()
 
 
 def test_goal_miss_exits_3(tmp_path, capsys):

@@ -1,6 +1,10 @@
 """`loomrl report DIR`: DIR/report.png with reward (training and validation), loss and
 throughput curves. A supervised run (`algorithm.name: sft`) has no training reward: its reward
-panel shows the validation reward alone."""
+panel shows the validation reward alone.
+
+`loomrl report DIR1 DIR2 ... --out FILE.png`: the runs overlaid, one line per run (its folder's
+name) in each panel of `COMPARE` (10-step means): reward, entropy, the rollout/trainer log-prob
+mismatch and the largest importance ratio, e.g. the same recipe under different rounding settings."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -92,6 +96,50 @@ def write_report(run_dir: Path) -> Path:
     fig.tight_layout()
     out = run_dir / "report.png"
     tmp = run_dir / ".report.png.tmp"
+    fig.savefig(tmp, dpi=90, format="png")
+    plt.close(fig)
+    tmp.replace(out)
+    return out
+
+
+COMPARE = (("reward_mean", "reward (mean per step)"), ("entropy", "entropy"),
+           ("logp_mismatch", "mean |rollout - trainer logp|"), ("is_ratio_max", "largest importance ratio"))
+"""The panels of `write_comparison`: (metrics key, title)."""
+
+
+def write_comparison(run_dirs: list[Path], out: Path) -> Path:
+    """The runs' `COMPARE` curves overlaid into `out` (a PNG), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for d in run_dirs:
+        path = d / "metrics.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: not found (is {d} a loomrl run folder?)")
+        rows = read_metrics(path)
+        if not rows:
+            raise ValueError(f"{path}: no steps recorded")
+        runs.append((d.name, rows))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (key, title) in zip(axes.flat, COMPARE):
+        for name, rows in runs:
+            xs, vals = _series(rows, key)
+            if xs:
+                ax.plot(xs, _smooth(vals), label=name)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, f"{key}: not logged by these runs", ha="center", transform=ax.transAxes)
+    fig.suptitle(f"{len(runs)} runs, 10-step means")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
     fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
     tmp.replace(out)
