@@ -45,18 +45,24 @@ def _final_validation(run_dir: Path, rows: list[dict]) -> list[dict]:
         return []  # no summary (a run still going), or one from another version: the rows alone
 
 
-def write_report(run_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _rows(run_dir: Path) -> list[dict]:
+    """The run's metrics rows; an error naming the file when there are none."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (is {run_dir} a loomrl run folder?)")
     rows = read_metrics(path)
     if not rows:
         raise ValueError(f"{path}: no steps recorded")
+    return rows
+
+
+def write_report(run_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _rows(run_dir)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     panels = [
         (axes[0, 0], "reward_mean", "reward (mean per step)"),
@@ -114,15 +120,7 @@ def write_comparison(run_dirs: list[Path], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = []
-    for d in run_dirs:
-        path = d / "metrics.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: not found (is {d} a loomrl run folder?)")
-        rows = read_metrics(path)
-        if not rows:
-            raise ValueError(f"{path}: no steps recorded")
-        runs.append((d.name, rows))
+    runs = [(d.name, _rows(d)) for d in run_dirs]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (key, title) in zip(axes.flat, COMPARE):
         for name, rows in runs:
