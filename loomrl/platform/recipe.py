@@ -1407,8 +1407,8 @@ def fill_from_checkpoint(m: ModelConfig, given: Any) -> None:
 
 def file_problems(r: Recipe) -> list[str]:
     """What this machine lacks for the recipe: the shards, the tokenizer, the checkpoint the
-    policy starts from, and CUDA where `training.device` is `cuda`. `loomrl run --dry-run` reports these as notes, so a recipe
-    for another machine (a GPU cluster) still validates here."""
+    policy starts from, and CUDA where `training.device` is `cuda`. `loomrl run --dry-run` reports
+    these as notes, so a recipe for another machine (a GPU cluster) still validates here."""
     problems = []
     if r.data.demo is None and not expand_pattern(r.data.shards, "data.shards"):
         problems.append(f"data.shards: no files match {_show(r.data.shards)} (and data.demo is null, "

@@ -402,7 +402,8 @@ class Trainer:
         engine = TorchRolloutEngine(self.model, None)
         params = SamplingParams(n=1, temperature=v.temperature, top_p=ro.top_p if v.temperature > 0 else 1.0,
                                 max_new_tokens=v.max_new_tokens or ro.max_new_tokens)
-        generator = torch.Generator(self.model.device).manual_seed(self.recipe.training.seed + 7919)  # the same draws every time
+        # the same draws at every validation
+        generator = torch.Generator(self.model.device).manual_seed(self.recipe.training.seed + 7919)
         texts, lengths, stops = [], [], 0
         for i in range(0, len(self.val_samples), v.batch_size):
             chunk = self.val_samples[i:i + v.batch_size]
