@@ -19,7 +19,7 @@ from loomrl.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = ["training.steps=40", "training.warmup.steps=100", "training.warmup.target=answer",
          "training.prompts_per_step=16", "checkpoint.every=0", "logging.tensorboard=false", "goal=null",
-         "training.threads=1"]
+         "training.threads=2"]
 
 
 def rewards(tmp_path, name, demo_shards, extra=()):
