@@ -13,7 +13,8 @@ There is no `if cuda` beyond that choice: on a CPU-only machine the same calls r
 the two helpers below, and every RL step's metrics row reports it (`h2d_copies`,
 `h2d_mb`, `d2h_copies`, `d2h_mb`): host -> device for micro-batches, media pixels and
 prompt ids; device -> host for the tokens and log-probs the rollout engine hands back
-each forward and the statistics the loss reports. On CPU the counts are 0 by
+each forward and the prompt embeddings vLLM takes. Scalar reads (`float(...)` of a loss
+statistic) are syncs, not counted copies. On CPU the counts are 0 by
 construction (nothing crosses); on a GPU they are the per-step traffic to watch, beside
 `device_peak_mb` (`memory_row`, the peak allocated GPU memory so far).
 
