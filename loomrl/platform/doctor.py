@@ -201,13 +201,16 @@ def register_engine(name: str, fn: EngineFn) -> None:
 
 
 def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: Optional[Path] = None,
-               hf: Optional[Path] = None) -> dict:
+               hf: Optional[Path] = None, trace: bool = False) -> dict:
     """Build the recipe's policy (optionally a run checkpoint or an HF folder loaded into it),
-    generate rollouts for `num_prompts` prompts with `engine`, and measure every setting."""
+    generate rollouts for `num_prompts` prompts with `engine`, and measure every setting.
+    trace (engine vllm): also trace one sequence region by region (`doctor_trace`)."""
     from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files, to_prompts
 
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: not one of {sorted(ENGINES)}")
+    if trace and engine != "vllm":
+        raise ValueError(f"--trace: traces vLLM's forward; --engine is {engine!r}")
     configure_torch(recipe.training)
     tokenizer, chat, model = build_policy_parts(recipe)
     if checkpoint is not None:
@@ -225,11 +228,16 @@ def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: 
     rollouts = ENGINES[engine](model, prompts, params, torch.Generator(model.device).manual_seed(recipe.training.seed))
     trajs = trajectories(prompts, rollouts)
     settings = measure(model, trajs, ro.temperature)
-    return {"engine": engine, "dtype": str(DTYPE).removeprefix("torch."),
-            "tokens": sum(len(t.completion_ids) for t in trajs), "settings": settings,
-            # the setting to train with against this engine, and what `model.rounding: auto` picks for it
-            "closest": min(settings, key=lambda name: settings[name]["mean_abs_dlogp"]),
-            "auto": ROUNDING_AUTO.get(engine)}
+    report = {"engine": engine, "dtype": str(DTYPE).removeprefix("torch."),
+              "tokens": sum(len(t.completion_ids) for t in trajs), "settings": settings,
+              # the setting to train with against this engine, and what `model.rounding: auto` picks for it
+              "closest": min(settings, key=lambda name: settings[name]["mean_abs_dlogp"]),
+              "auto": ROUNDING_AUTO.get(engine)}
+    if trace:
+        from loomrl.platform.doctor_trace import trace_vllm
+
+        report["trace"] = trace_vllm(model, prompts, rollouts)
+    return report
 
 
 def table(report: dict) -> str:
@@ -257,19 +265,28 @@ def main(argv: list[str]) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", type=Path, help="a run checkpoint folder (DIR/checkpoints/step-N)")
     src.add_argument("--hf", type=Path, help="a local Hugging Face checkpoint folder to load into the policy")
+    ap.add_argument("--trace", action="store_true",
+                    help="with --engine vllm: run one sequence through vLLM and the trainer and print, per layer "
+                         "and region, where their outputs first differ")
     ap.add_argument("--json", action="store_true", help="print the table, then one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.engine not in ENGINES:
         ap.error(f"--engine {args.engine!r}: not one of {sorted(ENGINES)}")
+    if args.trace and args.engine != "vllm":
+        ap.error("--trace traces vLLM's forward: add --engine vllm")
     if args.prompts <= 0:
         ap.error("--prompts: must be positive")
     try:
         recipe = R.load_recipe(args.recipe, args.overrides)
-        report = run_doctor(recipe, args.engine, args.prompts, args.checkpoint, args.hf)
+        report = run_doctor(recipe, args.engine, args.prompts, args.checkpoint, args.hf, args.trace)
     except (R.RecipeError, ValueError, OSError, KeyError) as e:  # a damaged checkpoint: ValueError naming the file
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(table(report), flush=True)
+    if "trace" in report:
+        from loomrl.platform.doctor_trace import trace_table
+
+        print("\n" + trace_table(report["trace"]), flush=True)
     if args.json:
         if not all(math.isfinite(v) for row in report["settings"].values() for v in row.values()):
             print("warning: non-finite mismatch values", file=sys.stderr)

@@ -97,6 +97,29 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
     return emb.cos(), emb.sin()
 
 
+class RotaryEmbedding(nn.Module):
+    """The RoPE region on q and k (no parameters: a module so that hooks see it, as vLLM's `rotary_emb`)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, q, k, cos, sin):
+        mode, mrope = self.cfg.rounding.rope, self.cfg.mrope_section is not None
+        return rounding.apply_rope(q, cos, sin, mode, mrope), rounding.apply_rope(k, cos, sin, mode, mrope)
+
+
+class CoreAttention(nn.Module):
+    """The attention region, softmax(q k^T) v (no parameters: a module so that hooks see it, as vLLM's `attn`)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, q, k, v, mask):
+        return rounding.attention(q, k, v, mask, self.cfg.rounding.attention)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -106,6 +129,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=True)
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=True)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(cfg)
+        self.attn = CoreAttention(cfg)
 
     def forward(self, x, cos, sin, mask, past=None):
         b, t, _ = x.shape
@@ -113,16 +138,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)
         k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)
         v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
-        mode, mrope = self.cfg.rounding.rope, self.cfg.mrope_section is not None
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        q, k = rounding.apply_rope(q, cos, sin, mode, mrope), rounding.apply_rope(k, cos, sin, mode, mrope)
+        q, k = self.rotary_emb(q, k, cos[:, None], sin[:, None])  # cos/sin broadcast over heads
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
         present = (k, v)
         rep = h // kv
-        out = rounding.attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), mask,
-                                 self.cfg.rounding.attention)
+        out = self.attn(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, h * d)), present
 
 
