@@ -38,7 +38,7 @@ def test_greedy_tokens_identical_with_and_without_drafting(peaky_model, samples)
     prompts = text_prompts() + [Prompt(s.id, s.ids, s.media) for s in samples[:3]]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=14)
     plain = TorchRolloutEngine(peaky_model)
-    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=5, prefetch_budget=4))
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=5, prefetch_budget=4, adaptive=False))
     # seed histories with *sampled* completions so drafts are partly wrong: varied acceptance
     warm(spec, prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=14))
     a, b = plain.generate(prompts, params), spec.generate(prompts, params)
@@ -52,7 +52,7 @@ def test_greedy_tokens_identical_with_and_without_drafting(peaky_model, samples)
 
 def test_drafted_logprobs_equal_a_plain_forward(peaky_model):
     prompts = text_prompts(3)
-    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4))
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, adaptive=False))
     params = SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=12)
     warm(spec, prompts, params)
     res = spec.generate(prompts, params, torch.Generator().manual_seed(5))
@@ -75,7 +75,8 @@ def test_sampling_distribution_unchanged_by_drafting(peaky_model, temperature, t
     prompt = [Prompt("p0", [8, 9, 12, 15, 20], [])]
     params = SamplingParams(n=500, temperature=temperature, top_p=top_p, max_new_tokens=5)
     plain = TorchRolloutEngine(peaky_model)
-    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, max_history=64, max_history_tokens=10**6))
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, max_history=64, max_history_tokens=10**6,
+                                                            adaptive=False))
     warm(spec, prompt, SamplingParams(n=30, temperature=temperature, top_p=top_p, max_new_tokens=5), rounds=1, seed=9)
     counts = {"plain": [{} for _ in range(4)], "spec": [{} for _ in range(4)]}
     g = torch.Generator().manual_seed(1)
@@ -86,6 +87,24 @@ def test_sampling_distribution_unchanged_by_drafting(peaky_model, temperature, t
         accepted += sum(spec.last_stats.accepted_by_pos)
     assert accepted > 1000  # drafting really happened
     assert_same_per_position(counts["plain"], counts["spec"], min_df=1)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_tokens_do_not_depend_on_the_draft_length(peaky_model, temperature, top_p):
+    """Position-keyed sampling: with the same seed, drafting up to 1, up to 4, or as the adaptive
+    controller chooses commits the same tokens (what makes timing-driven draft lengths reproducible)."""
+    prompts = text_prompts()
+    params = SamplingParams(n=6, temperature=temperature, top_p=top_p, max_new_tokens=12)
+    outs, forwards = [], []
+    for cfg in (DrafterConfig(enabled=True, k=1, adaptive=False), DrafterConfig(enabled=True, k=4, adaptive=False),
+                DrafterConfig(enabled=True, k=4)):
+        eng = TorchRolloutEngine(peaky_model, cfg)
+        warm(eng, prompts, SamplingParams(n=6, temperature=1.0, max_new_tokens=12), seed=3)
+        res = eng.generate(prompts, params, torch.Generator().manual_seed(11))
+        outs.append([r.completion_ids for r in res.rollouts])
+        forwards.append(res.seq_forwards)
+    assert outs[0] == outs[1] == outs[2]
+    assert forwards[1] < forwards[0]  # k = 4 really drafted more
 
 
 def test_trace_replay_counts_tokens_per_forward_as_worked_by_hand():
@@ -124,7 +143,7 @@ def test_prefetch_and_fallback_commit_the_same_tokens(peaky_model):
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
     outs = {}
     for budget in (0, 16):
-        eng = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, prefetch_budget=budget))
+        eng = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, prefetch_budget=budget, adaptive=False))
         warm(eng, prompts, params, seed=2)
         res = eng.generate(prompts, params, torch.Generator().manual_seed(7))
         outs[budget] = ([r.completion_ids for r in res.rollouts], eng.last_stats)

@@ -8,12 +8,17 @@ k = 0 case of the same loop) and verifies the draft exactly:
 
 - the target distribution p' at each position is softmax(logits / T) with the
   top-p nucleus kept (one-hot argmax when T = 0, greedy);
-- drafted token x is accepted with probability p'(x) (the drafter is
-  deterministic, so this is speculative sampling's min(1, p/q) with q = 1);
-- at the first rejection the bonus token is drawn from p' with x removed and
-  renormalised; if every draft token is accepted it is drawn from p' at the
-  next position. The committed tokens are distributed exactly as without
-  drafting (greedy: identical tokens).
+- with a drafter, the token at each (row, completion position) is a position-keyed
+  sample of p' (Gumbel-max with hashed noise, `position_keyed_sample`): a drafted
+  token is accepted iff it equals that sample (probability p'(x): speculative
+  sampling's min(1, p/q) with a deterministic draft, q = 1), and the sample at the
+  first mismatch is the bonus token. The committed tokens are distributed exactly as
+  without drafting (greedy: identical tokens), and they do not depend on how many
+  tokens each forward drafted;
+- how many tokens to draft is chosen per forward from measured rates
+  (`draft_control.DraftController`, `rollout.drafter.adaptive`), so drafting only runs
+  where it makes rollouts faster; without a drafter, plain decoding draws from the run's
+  generator.
 
 Reported log-probs are log_softmax(logits / T) of each committed token, the
 quantity the trainer recomputes (top-p changes what can be drawn, not the
@@ -33,6 +38,7 @@ from loomrl.platform.backbone.vlm import VLM
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.recipe import DrafterConfig
 from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
+from loomrl.platform.rollout.draft_control import DraftController
 from loomrl.platform.rollout.drafter import Draft, NgramDrafter
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
 
@@ -48,6 +54,37 @@ def target_probs(logp: torch.Tensor, temperature: float, top_p: float) -> torch.
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+# splitmix64's constants as signed int64 (torch has no uint64 arithmetic; products wrap around)
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def position_keyed_sample(probs: torch.Tensor, row_seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token per (row, position) from probs [B, W, V]: Gumbel-max, argmax(log p + g), with the
+    noise g a hash (splitmix64) of (the row's seed, the completion position, the token id).
+
+    A token drawn this way depends only on the row's seed, its position and the distribution there,
+    not on how many positions a forward scores: so a draft token is accepted exactly when it equals
+    this sample (accepted with probability p(x), as speculative sampling's min(1, p/q) with a
+    deterministic draft, q = 1) and the sample at the first mismatch is the bonus token. The committed
+    tokens are distributed as without drafting, and a seeded run's tokens do not depend on the draft
+    lengths the engine chose (which follow measured timings, `draft_control`)."""
+    b, w, v = probs.shape
+    key = (row_seeds[:, None, None] + positions[:, :, None] * _GOLDEN
+           + torch.arange(v, device=probs.device)[None, None, :] * _MIX1)
+    x = key ^ _shift_right(key, 30)
+    x = x * _MIX1
+    x = x ^ _shift_right(x, 27)
+    x = x * _MIX2
+    x = x ^ _shift_right(x, 31)
+    u = (_shift_right(x, 11).double() + 0.5) * 2.0 ** -53  # in (0, 1)
+    return (probs.double().log() - (-u.log()).log()).argmax(-1)
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device = torch.device("cpu")
@@ -89,6 +126,9 @@ class TorchRolloutEngine:
         self.drafter = NgramDrafter(self.drafter_cfg) if self.drafter_cfg else None
         self.prefetcher = FanoutPrefetcher(self.drafter_cfg.prefetch_budget) if self.drafter_cfg else None
         self._pool = ThreadPoolExecutor(1) if self.prefetcher and self.prefetcher.budget > 0 else None
+        # rollout.drafter.adaptive: each forward's draft length chosen by measured rate (draft_control.py)
+        self.control = (DraftController(self.drafter_cfg.k) if self.drafter_cfg and self.drafter_cfg.adaptive
+                        else None)
         self.last_stats = DraftStats()
         self.spec_metrics: dict = {}
 
@@ -130,6 +170,7 @@ class TorchRolloutEngine:
         model.eval()
         k = self.drafter_cfg.k if self.drafter else 0
         stats = DraftStats([0] * k, [0] * k)
+        control = self.control
         rows = [(pi, j) for pi in range(len(prompts)) for j in range(params.n)]
         b = len(rows)
         row_media = [prompts[pi].media for pi, _ in rows]
@@ -148,17 +189,32 @@ class TorchRolloutEngine:
         first_logp = logp.gather(-1, first[:, None]).squeeze(-1)
         tokens = [[t] for t in to_host(first).tolist()]
         logps = [[x] for x in to_host(first_logp).tolist()]
+        # with a drafter, later tokens are position-keyed samples (position_keyed_sample)
+        row_seeds = (torch.randint(0, 1 << 62, (b,), generator=generator, device=dev) if self.drafter else None)
         done = [params.max_new_tokens <= 1 or t[0] == model.eos_token_id for t in tokens]
-        states = ([self.drafter.start(prompts[pi].id, prompts[pi].ids + tokens[i]) for i, (pi, _) in enumerate(rows)]
-                  if self.drafter else None)
-        drafts: dict[int, Draft] = {}
-        memo: dict = {}
-        if self.drafter:
-            for i in range(b):
-                if not done[i]:
-                    drafts[i] = self._propose(states[i], min(k, params.max_new_tokens - 1 - len(tokens[i])),
-                                              stats, memo)
+        # a row's drafter state is made when it first drafts (plain forwards need none)
+        states: list = [None] * b
 
+        def propose_all(k_now: int, ready: dict[int, Draft]) -> dict[int, Draft]:
+            """Each live row's draft of up to k_now tokens: prefetched (`ready`) or looked up."""
+            out: dict[int, Draft] = {}
+            memo: dict = {}
+            for i in range(b):
+                if done[i] or k_now == 0:
+                    continue
+                n = min(k_now, params.max_new_tokens - 1 - len(tokens[i]))
+                if i in ready:  # the drafter is deterministic: a shorter draft is a prefix of a longer one
+                    d = ready[i]
+                    out[i] = Draft(d.tokens[:n], d.alternatives[:n + 1], d.backoff[:n + 1])
+                    continue
+                if states[i] is None:
+                    states[i] = self.drafter.start(prompts[rows[i][0]].id, prompts[rows[i][0]].ids + tokens[i])
+                out[i] = self._propose(states[i], n, stats, memo)
+            return out
+
+        t_step = time.perf_counter()
+        k_now = (control.choose() if control else k) if self.drafter else 0
+        drafts = propose_all(k_now, {})
         seq_forwards = b
         while not all(done):
             live = [i for i in range(b) if not done[i]]
@@ -167,15 +223,16 @@ class TorchRolloutEngine:
             step_ids = torch.full((b, width), model.pad_token_id, dtype=torch.long)
             step_mask = torch.zeros((b, width), dtype=torch.long)
             draft = torch.full((b, width - 1), -1, dtype=torch.long)
+            counts = torch.tensor([[len(t)] for t in tokens], dtype=torch.long)  # completion tokens so far
             for i in live:
                 d = drafts[i].tokens if i in drafts else []
                 step_ids[i, :1 + len(d)] = torch.tensor([tokens[i][-1]] + d)
                 step_mask[i, :1 + len(d)] = 1
                 draft[i, :len(d)] = torch.tensor(d, dtype=torch.long)
             # the host-built step (ids, mask, drafts, finished rows) goes to the device in one copy
-            step = to_device(torch.cat([step_ids, step_mask, draft,
+            step = to_device(torch.cat([step_ids, step_mask, draft, counts,
                                         torch.tensor([[int(x)] for x in done], dtype=torch.long)], dim=1), dev)
-            step_ids, step_mask, draft, finished = step.split([width, width, width - 1, 1], dim=1)
+            step_ids, step_mask, draft, counts, finished = step.split([width, width, width - 1, 1, 1], dim=1)
             mask = torch.cat([mask, step_mask], dim=1)
             col0 = mask.shape[1] - width
             future = self._pool.submit(self._prefetch, states, dict(drafts), k) if self._pool and drafts else None
@@ -187,21 +244,16 @@ class TorchRolloutEngine:
             prepared = future.result() if future is not None else {}
             # Verify every row at once: accepted length j, then the bonus token.
             valid = draft >= 0
-            p_draft = probs[:, :-1].gather(-1, draft.clamp(min=0)[..., None]).squeeze(-1)
-            u = torch.rand((b, width - 1), generator=generator, device=dev)
-            accept = (u < p_draft) & valid
-            j = accept.long().cumprod(dim=1).sum(dim=1)                          # [B]
-            rows_ = torch.arange(b, device=dev)
-            dist = probs[rows_, j].clone()                                      # [B, V]
-            rejected = j < valid.sum(dim=1)
-            # residual of a rejected deterministic draft: p' without the drafted token
-            dist[rows_[rejected], draft[rows_[rejected], j[rejected]]] = 0.0
-            dist[finished[:, 0].bool()] = 1.0  # finished rows: any token
-            bonus = torch.multinomial(dist / dist.sum(-1, keepdim=True), 1, generator=generator).squeeze(-1)
-            committed = torch.where(torch.arange(width, device=dev)[None, :] < j[:, None],
-                                    torch.cat([draft.clamp(min=0), torch.zeros((b, 1), dtype=torch.long, device=dev)],
-                                              dim=1),
-                                    bonus[:, None])                             # [B, W]; valid up to j
+            if row_seeds is not None:  # a draft token is accepted iff it is the position's own sample
+                committed = position_keyed_sample(probs, row_seeds, counts + torch.arange(width, device=dev)[None])
+                accept = (committed[:, :-1] == draft) & valid
+                j = accept.long().cumprod(dim=1).sum(dim=1)                      # [B]; valid up to j
+            else:  # plain decoding (width 1): the run's generator
+                accept = valid
+                j = torch.zeros(b, dtype=torch.long, device=dev)
+                dist = probs[:, 0].clone()
+                dist[finished[:, 0].bool()] = 1.0  # finished rows: any token
+                committed = torch.multinomial(dist / dist.sum(-1, keepdim=True), 1, generator=generator)
             committed_logp = logp.gather(-1, committed[..., None]).squeeze(-1)
             # roll back: draft columns at or after the first rejection leave attention
             cols = torch.arange(1, width, device=dev)[None, :]
@@ -221,7 +273,7 @@ class TorchRolloutEngine:
                 stats.drafted_by_pos[pos] += n_drafted[pos]
                 stats.accepted_by_pos[pos] += n_accepted[pos]
             next_drafts: dict[int, Draft] = {}
-            memo = {}
+            committed_now = 0
             for i in live:
                 ji = j_list[i]
                 new = comm_list[i][:ji + 1]
@@ -231,27 +283,31 @@ class TorchRolloutEngine:
                     new, new_logp = new[:cut], new_logp[:cut]
                 tokens[i].extend(new)
                 logps[i].extend(new_logp)
+                committed_now += len(new)
+                if states[i] is not None:
+                    states[i].extend(new)
                 if new[-1] == model.eos_token_id or len(tokens[i]) >= params.max_new_tokens:
                     done[i] = True
                     continue
-                if self.drafter:
-                    states[i].extend(new)
+                if self.drafter and i in drafts:
                     n_d = len(drafts[i].tokens) if i in drafts else 0
                     outcome = (ji, new[-1])
                     if self.prefetcher:
                         self.prefetcher.observe(n_d, ji, outcome in prepared.get(i, {}))
-                    remaining = min(k, params.max_new_tokens - 1 - len(tokens[i]))
-                    ready = prepared.get(i, {}).get(outcome)
                     stats.outcomes += 1
-                    if ready is not None:
+                    if self._pool is not None and outcome in prepared.get(i, {}):
                         stats.prefetched += 1
-                        next_drafts[i] = Draft(ready.tokens[:remaining], ready.alternatives[:remaining + 1],
-                                               ready.backoff[:remaining + 1])
-                    else:
-                        next_drafts[i] = self._propose(states[i], remaining, stats, memo)
-            drafts = next_drafts
+                        next_drafts[i] = prepared[i][outcome]
+            if control is not None:
+                now = time.perf_counter()
+                control.observe(committed_now, now - t_step)  # this forward's lookups, forward and verification
+                t_step = now
+                k_now = control.choose()
+            if self.drafter:
+                drafts = propose_all(k_now, next_drafts)
         model.train(was_training)
         self.last_stats = stats
+        self.spec_metrics = control.summary() if control is not None else {}
         rollouts = [
             Rollout(pi, j, tokens[i], logps[i],
                     "stop" if tokens[i][-1] == model.eos_token_id else "length")
@@ -272,6 +328,8 @@ class TorchRolloutEngine:
         if self.drafter:
             state["drafter"] = self.drafter.state_dict()
             state["accept_hist"] = {str(k): v for k, v in self.prefetcher.accept_hist.items()}
+        if self.control is not None:
+            state["draft_control"] = self.control.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -279,6 +337,8 @@ class TorchRolloutEngine:
         if self.drafter and "drafter" in state:
             self.drafter.load_state_dict(state["drafter"])
             self.prefetcher.accept_hist = {int(k): v for k, v in state["accept_hist"].items()}
+        if self.control is not None and "draft_control" in state:
+            self.control.load_state_dict(state["draft_control"])
 
     def observe(self, prompt_id: str, completion_ids: list[int]) -> None:
         """Feed a finished rollout into the drafter's history of its prompt."""
