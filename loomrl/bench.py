@@ -11,6 +11,7 @@ BENCHES = {
     "demo": "loomrl.platform.bench_demo",
     "drafter": "loomrl.platform.rollout.bench_drafter",
     "encoders": "loomrl.encoders.bench",
+    "rollout": "loomrl.platform.rollout.bench_rollout",
     "staleness": "loomrl.platform.trajectory.bench_staleness",
 }
 

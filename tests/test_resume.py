@@ -19,6 +19,7 @@ def cli(tmp: Path, out: str, *extra: str, kill_at: str | None = None) -> subproc
             f"data.shards={tmp}/shards/demo-*.tar", "data.demo.samples=48", "data.shuffle_buffer=20",
             "training.steps=6", "training.warmup.steps=2", "training.mini_batches=1", "training.prompts_per_step=4", "rollout.n=4",
             "checkpoint.every=1", "checkpoint.keep_last=3", "rollout.drafter.enabled=true",
+            "rollout.drafter.adaptive=false",  # adaptive draft lengths follow timings (tokens do not)
             "logging.tensorboard=false", "goal=null", "algorithm.reward=rewards_for_tests:distinct_words", *extra]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
 

@@ -334,7 +334,7 @@ class DrafterConfig:
     """Built-in engine: choose each forward's draft length (0, 1, 2, 4, ..., k) by the rate it
     measurably gives, tokens committed per second with lookups and verification counted, so
     drafting never runs where it makes the rollout slower (rollout/draft_control.py); the
-    choice and the measured rates are logged (`draft_k_mean`, `draft_k_best`, `draft_rate_k*`).
+    choice and the measured rates are logged (`draft_k_mean`, `draft_k_best`, `draft_k<k>_tokens_per_s`).
     false: always draft up to k."""
     max_history: int = ranged(16, ge=1)
     """Finished completions kept per prompt (oldest evicted first)."""

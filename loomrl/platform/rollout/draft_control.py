@@ -19,7 +19,7 @@ so the engine measures instead of guessing, one forward at a time:
   so an arm that does not pay gets at most one forward in 16, and in steady state one in 64.
 
 The decision and its inputs reach the metrics row (`summary`): the mean k per forward, the best arm
-and every measured arm's rate in tokens per second.
+and every measured arm's rate (`draft_k<k>_tokens_per_s`).
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class DraftController:
         """The decision and its inputs since the last call, for the metrics row."""
         out = {"draft_k_mean": sum(self.chosen) / len(self.chosen) if self.chosen else 0.0,
                "draft_k_best": self.arms[self.best].k}
-        out.update({f"draft_rate_k{a.k}": a.rate for a in self.arms if a.measured})
+        out.update({f"draft_k{a.k}_tokens_per_s": a.rate for a in self.arms if a.measured})
         self.chosen = []
         return out
 

@@ -163,7 +163,12 @@ class TorchRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], params: SamplingParams,
-                 generator: Optional[torch.Generator] = None) -> RolloutResult:
+                 generator: Optional[torch.Generator] = None,
+                 forced: Optional[list[list[int]]] = None) -> RolloutResult:
+        """forced (benchmarks): per row (prompt-major, n per prompt), the completion to commit
+        instead of sampling, at least max_new_tokens long: every forward runs as it would, the
+        target's distribution is a point mass on the forced token, so drafts are accepted exactly
+        where they equal it (`loomrl bench rollout` forces recorded rollouts onto a random model)."""
         start = time.perf_counter()
         model = self.model
         was_training = model.training
@@ -176,6 +181,15 @@ class TorchRolloutEngine:
         row_media = [prompts[pi].media for pi, _ in rows]
         encodings = model.encode_media([m for p in prompts for m in p.media])
         dev = model.device  # every tensor below is made there, and the generator draws there
+        force = None
+        if forced is not None:
+            if len(forced) != b or min(len(f) for f in forced) < params.max_new_tokens:
+                raise ValueError(f"forced: {b} completions of at least {params.max_new_tokens} tokens expected")
+            force = to_device(torch.tensor([f[:params.max_new_tokens] for f in forced]), dev)
+
+        def point_mass(probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            tok = force.gather(1, positions.clamp(max=force.shape[1] - 1))
+            return torch.zeros_like(probs).scatter_(-1, tok.view(*probs.shape[:-1], 1), 1.0)
         ids, mask = left_pad([prompts[pi].ids for pi, _ in rows], model.pad_token_id, dev)
         # M-RoPE: image tokens take (t, h, w) positions; generated tokens continue from the
         # prompt's largest position + 1 (rope_deltas), as in transformers' Qwen2-VL
@@ -184,8 +198,10 @@ class TorchRolloutEngine:
         forwards = 1
         report_t = params.temperature if params.temperature > 0 else 1.0
         logp = model.token_logprobs(logits[:, -1], report_t)
-        first = torch.multinomial(target_probs(logp, params.temperature, params.top_p), 1,
-                                  generator=generator).squeeze(-1)
+        probs = target_probs(logp, params.temperature, params.top_p)
+        if force is not None:
+            probs = point_mass(probs, torch.zeros((b, 1), dtype=torch.long, device=dev))
+        first = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         first_logp = logp.gather(-1, first[:, None]).squeeze(-1)
         tokens = [[t] for t in to_host(first).tolist()]
         logps = [[x] for x in to_host(first_logp).tolist()]
@@ -241,6 +257,8 @@ class TorchRolloutEngine:
             forwards += 1
             logp = model.token_logprobs(logits, report_t)                       # [B, W, V]
             probs = target_probs(logp, params.temperature, params.top_p)
+            if force is not None:
+                probs = point_mass(probs, counts + torch.arange(width, device=dev)[None])
             prepared = future.result() if future is not None else {}
             # Verify every row at once: accepted length j, then the bonus token.
             valid = draft >= 0

@@ -1,0 +1,171 @@
+"""`loomrl bench rollout`: rollout throughput with NgramRL drafting vs without, side by side in one run.
+
+Each workload builds one policy and two built-in engines on it, one plain and one with the drafter
+as a recipe configures it by default (`rollout.drafter`, adaptive draft lengths), and times them
+on the same batches, alternating which goes first. Like an RL run, every batch's completions go
+into the drafter's history, and the drafting engine keeps its measured rates from batch to batch;
+one unmeasured round per engine comes first (histories, allocations, the controller's first
+choices). Workloads:
+
+    demo           the demo policy (recipes/demo.yaml, freshly initialised) on the demo's prompts,
+                   32 prompts x 8 samples x 16 tokens at temperature 1: outputs close to uniform,
+                   so drafts are rarely accepted and drafting must simply not cost anything.
+    qwen2-0.5b     a decoder shaped like Qwen2-0.5B (24 layers, hidden 896, 14 heads, 2 KV heads,
+                   MLP 4864; random weights, vocabulary = the trace's tokens) whose sampled tokens are
+                   forced to real rollouts (`../shared/traces/traces_C.jsonl.gz`, Gemma-3-270M at
+                   T = 0.6 on HumanEval): acceptance is what those rollouts give, and each forward
+                   costs what it costs at that size. The prompts' earlier rounds fill the histories;
+                   the measured batches are the last round's samples.
+
+Per workload: committed tokens per second plain and drafted, their ratio, and the drafting engine's
+tokens per forward. `--json` ends with one line:
+`{"workloads": [{"name", "engine", "plain_tokens_per_s", "drafted_tokens_per_s", "speedup",
+"tokens_per_forward"}, ...]}`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("loomrl.bench")
+
+ROOT = Path(__file__).resolve().parents[3]
+TRACES = ROOT.parent / "shared" / "traces" / "traces_C.jsonl.gz"
+QWEN2_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                 rope_theta=1_000_000.0)
+
+
+class Workload:
+    """A policy, its prompts, sampling parameters, and (optionally) forced completions per batch."""
+
+    def __init__(self, name: str, model, batches: list[list], params, forced: Optional[list] = None,
+                 history: Optional[list] = None):
+        self.name, self.model, self.batches, self.params = name, model, batches, params
+        self.forced = forced or [None] * len(batches)
+        self.history = history or []  # (prompt id, completion) the drafter has seen before
+
+
+def demo_workload(prompts: int = 32, rounds: int = 4) -> Workload:
+    from loomrl.platform import recipe as R
+    from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files, to_prompts
+    from loomrl.platform.rollout.base import SamplingParams
+
+    recipe = R.load_recipe(str(ROOT / "recipes" / "demo.yaml"), [])
+    configure_torch(recipe.training)
+    tokenizer, chat, model = build_policy_parts(recipe)
+    batch = to_prompts(prompt_source(recipe, shard_files(recipe), model, tokenizer, chat).next(prompts))
+    ro = recipe.rollout
+    params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
+    return Workload("demo", model.eval(), [batch] * rounds, params)
+
+
+def traced_workload(path: Path = TRACES, prompts: int = 4, samples: int = 2, tokens: int = 48,
+                    rounds: int = 4) -> Workload:
+    """The Qwen2-0.5B-shaped policy with completions forced to the traces (module docstring)."""
+    from loomrl.platform.backbone.vlm import VLM
+    from loomrl.platform.recipe import ModelConfig
+    from loomrl.platform.rollout.base import Prompt, SamplingParams
+    from loomrl.platform.rollout.bench_drafter import load_traces
+
+    rows = load_traces(str(path))
+    last = max(r["round"] for r in rows)
+    # prompts whose last round has rounds x samples completions of `tokens`+ tokens: each is forced once
+    by_prompt: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["round"] == last and len(r["completion_ids"]) >= tokens:
+            by_prompt.setdefault(r["prompt_id"], []).append(r)
+    chosen = [pid for pid, rs in by_prompt.items() if len(rs) >= samples * rounds][:prompts]
+    if len(chosen) < prompts:
+        raise ValueError(f"{path}: fewer than {prompts} prompts with {samples * rounds} samples of {tokens}+ tokens "
+                         f"in round {last}")
+    vocab = sorted({t for r in rows for t in r["prompt_ids"] + r["completion_ids"]})
+    dense = {t: i + 3 for i, t in enumerate(vocab)}  # 0 pad, 1 eos (unused: forced), 2 unk
+
+    def remap(ids):
+        return [dense[t] for t in ids]
+
+    class Tokens:  # the token ids the VLM needs; no text is ever decoded
+        pad_token_id, eos_token_id, unk_token_id = 0, 1, 2
+
+        def __len__(self):
+            return len(vocab) + 3
+
+    model = VLM(ModelConfig(**QWEN2_05B), Tokens(), {"model_type": "qwen2", "vocab_size": len(vocab) + 3,
+                                                     "tie_word_embeddings": True}).eval()
+    history = [(r["prompt_id"], remap(r["completion_ids"])) for r in rows if r["round"] < last]
+    prompt_of = {pid: Prompt(pid, remap(by_prompt[pid][0]["prompt_ids"])) for pid in chosen}
+    batches, forced = [], []
+    for b in range(rounds):  # each batch: `samples` recorded completions of each chosen prompt
+        batches.append([prompt_of[pid] for pid in chosen])
+        forced.append([remap(by_prompt[pid][b * samples + s]["completion_ids"])
+                       for pid in chosen for s in range(samples)])
+    params = SamplingParams(n=samples, temperature=1.0, max_new_tokens=tokens)
+    return Workload("qwen2-0.5b", model, batches, params, forced, history)
+
+
+def measure(w: Workload, seed: int = 0) -> dict:
+    """Plain vs drafted on every batch of `w` (the first unmeasured), alternating the order."""
+    from loomrl.platform.recipe import DrafterConfig
+    from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
+
+    plain, drafted = TorchRolloutEngine(w.model), TorchRolloutEngine(w.model, DrafterConfig(enabled=True))
+    for pid, completion in w.history:
+        drafted.observe(pid, completion)
+    tally = {"plain": [0, 0.0], "drafted": [0, 0.0]}
+    forwards = 0
+    for i, (batch, forced) in enumerate(zip(w.batches, w.forced)):
+        order = (("plain", plain), ("drafted", drafted)) if i % 2 else (("drafted", drafted), ("plain", plain))
+        for name, engine in order:
+            res = engine.generate(batch, w.params, torch.Generator(w.model.device).manual_seed(seed + i), forced)
+            if name == "drafted":
+                for r in res.rollouts:
+                    engine.observe(batch[r.prompt_index].id, r.completion_ids)
+            if i > 0:  # the first batch warms both engines up
+                tally[name][0] += res.tokens
+                tally[name][1] += res.seconds
+                forwards += res.seq_forwards if name == "drafted" else 0
+        log.info("%s: batch %d/%d, drafting %s", w.name, i + 1, len(w.batches), drafted.spec_metrics)
+    plain_tps = tally["plain"][0] / tally["plain"][1]
+    drafted_tps = tally["drafted"][0] / tally["drafted"][1]
+    return {"name": w.name, "engine": "torch", "plain_tokens_per_s": plain_tps, "drafted_tokens_per_s": drafted_tps,
+            "speedup": drafted_tps / plain_tps, "tokens_per_forward": tally["drafted"][0] / max(1, forwards)}
+
+
+WORKLOADS = {"demo": demo_workload, "qwen2-0.5b": traced_workload}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="loomrl bench rollout", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = ap.parse_args(argv)
+    names = [n for n in args.workloads.split(",") if n]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        ap.error(f"--workloads: unknown {unknown}; choose from {sorted(WORKLOADS)}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    results = []
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            w = WORKLOADS[name]()
+        except (OSError, ValueError) as e:
+            print(f"error: workload {name}: {e}", file=sys.stderr)
+            return 2
+        results.append(measure(w))
+        log.info("%s: %.0f s", name, time.perf_counter() - t0)
+    print(f"{'workload':<12}{'engine':<8}{'plain tok/s':>13}{'drafted tok/s':>15}{'speedup':>9}{'tok/forward':>13}")
+    for r in results:
+        print(f"{r['name']:<12}{r['engine']:<8}{r['plain_tokens_per_s']:>13.1f}{r['drafted_tokens_per_s']:>15.1f}"
+              f"{r['speedup']:>9.2f}{r['tokens_per_forward']:>13.2f}")
+    if args.json:
+        print(json.dumps({"workloads": results}))
+    return 0
