@@ -97,8 +97,11 @@ def traced_workload(path: Path = TRACES, prompts: int = 4, samples: int = 2, tok
         def __len__(self):
             return len(vocab) + 3
 
-    model = VLM(ModelConfig(**QWEN2_05B), Tokens(), {"model_type": "qwen2", "vocab_size": len(vocab) + 3,
-                                                     "tie_word_embeddings": True}).eval()
+    hf_config = {"model_type": "qwen2", "vocab_size": len(vocab) + 3, "tie_word_embeddings": True,
+                 "hidden_size": QWEN2_05B["hidden_size"], "num_hidden_layers": QWEN2_05B["num_layers"],
+                 "num_attention_heads": QWEN2_05B["num_heads"], "num_key_value_heads": QWEN2_05B["num_kv_heads"],
+                 "intermediate_size": QWEN2_05B["intermediate_size"], "rope_theta": QWEN2_05B["rope_theta"]}
+    model = VLM(ModelConfig(**QWEN2_05B), Tokens(), hf_config).eval()
     history = [(r["prompt_id"], remap(r["completion_ids"])) for r in rows if r["round"] < last]
     prompt_of = {pid: Prompt(pid, remap(by_prompt[pid][0]["prompt_ids"])) for pid in chosen}
     batches, forced = [], []

@@ -9,8 +9,10 @@ so the engine measures instead of guessing, one forward at a time:
 
 - the arms are draft lengths k in {0 (plain decoding), 1, 2, 4, ..., K};
 - each forward runs one arm; its *rate* is the tokens that forward committed divided by what it took
-  (the lookups that prepared its drafts, the forward and the verification), and each arm keeps a
-  running average of its rate;
+  (the lookups that prepared its drafts, the forward and the verification); an arm's rate is its
+  tokens over its seconds, both summed over its forwards, each weighted by 0.95 per forward since
+  (a ratio of sums, so one lucky or unlucky forward moves it little, and an arm measured long ago
+  counts mostly by its newest measurement);
 - the next forward runs the arm with the best rate (plain decoding at first, so a job starts no
   slower than without a drafter). An arm next to the best one (one step shorter or longer) that was
   never measured is tried at once, so a run where drafting pays climbs to its best k in a few
@@ -26,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 EXPLORE_FIRST, EXPLORE_MAX = 16, 64
-SMOOTHING = 0.3  # weight of the newest measurement in an arm's running rate
+DECAY = 0.95  # an arm's rate: its committed tokens over its seconds, both decayed by this per forward elapsed
 
 
 def arms(k_max: int) -> list[int]:
@@ -41,10 +43,15 @@ def arms(k_max: int) -> list[int]:
 @dataclass
 class _Arm:
     k: int
-    rate: float = 0.0       # tokens per second, running average
+    tokens: float = 0.0     # decayed sums over this arm's forwards: its rate is their ratio
+    seconds: float = 0.0
     measured: int = 0       # forwards measured
     last: int = -1          # forward index of the last measurement
     explore: int = EXPLORE_FIRST
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 class DraftController:
@@ -73,8 +80,9 @@ class DraftController:
         """The forward chosen last committed `tokens` in `seconds` (lookups, forward, verification)."""
         i = self._pending
         arm = self.arms[i]
-        rate = tokens / max(seconds, 1e-9)
-        arm.rate = rate if arm.measured == 0 else (1 - SMOOTHING) * arm.rate + SMOOTHING * rate
+        fade = DECAY ** (self.forwards - arm.last)  # by forwards elapsed: a rechecked arm's old rate fades
+        arm.tokens = fade * arm.tokens + tokens
+        arm.seconds = fade * arm.seconds + max(seconds, 1e-9)
         arm.measured += 1
         arm.last = self.forwards
         self.forwards += 1
@@ -96,12 +104,12 @@ class DraftController:
 
     def state_dict(self) -> dict:
         return {"best": self.best, "forwards": self.forwards,
-                "arms": [[a.k, a.rate, a.measured, a.last, a.explore] for a in self.arms]}
+                "arms": [[a.k, a.tokens, a.seconds, a.measured, a.last, a.explore] for a in self.arms]}
 
     def load_state_dict(self, state: dict) -> None:
         saved = {row[0]: row for row in state["arms"]}
         for a in self.arms:
             if a.k in saved:
-                _, a.rate, a.measured, a.last, a.explore = saved[a.k]
+                _, a.tokens, a.seconds, a.measured, a.last, a.explore = saved[a.k]
         self.best = min(state["best"], len(self.arms) - 1)
         self.forwards = state["forwards"]

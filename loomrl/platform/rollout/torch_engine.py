@@ -9,7 +9,7 @@ k = 0 case of the same loop) and verifies the draft exactly:
 - the target distribution p' at each position is softmax(logits / T) with the
   top-p nucleus kept (one-hot argmax when T = 0, greedy);
 - with a drafter, the token at each (row, completion position) is a position-keyed
-  sample of p' (Gumbel-max with hashed noise, `position_keyed_sample`): a drafted
+  sample of p' (inverse CDF at a hashed uniform, `position_keyed_sample`): a drafted
   token is accepted iff it equals that sample (probability p'(x): speculative
   sampling's min(1, p/q) with a deterministic draft, q = 1), and the sample at the
   first mismatch is the bonus token. The committed tokens are distributed exactly as
@@ -66,8 +66,8 @@ def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def position_keyed_sample(probs: torch.Tensor, row_seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One token per (row, position) from probs [B, W, V]: Gumbel-max, argmax(log p + g), with the
-    noise g a hash (splitmix64) of (the row's seed, the completion position, the token id).
+    """One token per (row, position) from probs [B, W, V] by inverse CDF, with the uniform a hash
+    (splitmix64) of the row's seed and the completion position.
 
     A token drawn this way depends only on the row's seed, its position and the distribution there,
     not on how many positions a forward scores: so a draft token is accepted exactly when it equals
@@ -75,16 +75,17 @@ def position_keyed_sample(probs: torch.Tensor, row_seeds: torch.Tensor, position
     deterministic draft, q = 1) and the sample at the first mismatch is the bonus token. The committed
     tokens are distributed as without drafting, and a seeded run's tokens do not depend on the draft
     lengths the engine chose (which follow measured timings, `draft_control`)."""
-    b, w, v = probs.shape
-    key = (row_seeds[:, None, None] + positions[:, :, None] * _GOLDEN
-           + torch.arange(v, device=probs.device)[None, None, :] * _MIX1)
-    x = key ^ _shift_right(key, 30)
+    x = row_seeds[:, None] + positions * _GOLDEN
+    x = x ^ _shift_right(x, 30)
     x = x * _MIX1
     x = x ^ _shift_right(x, 27)
     x = x * _MIX2
     x = x ^ _shift_right(x, 31)
     u = (_shift_right(x, 11).double() + 0.5) * 2.0 ** -53  # in (0, 1)
-    return (probs.double().log() - (-u.log()).log()).argmax(-1)
+    cdf = probs.double().cumsum(-1)
+    # the first token whose cumulative probability reaches u: a token of probability 0 never is
+    token = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None]).squeeze(-1)
+    return token.clamp(max=probs.shape[-1] - 1)
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device = torch.device("cpu")
