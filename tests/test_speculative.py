@@ -91,20 +91,21 @@ def test_sampling_distribution_unchanged_by_drafting(peaky_model, temperature, t
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
 def test_tokens_do_not_depend_on_the_draft_length(peaky_model, temperature, top_p):
-    """Position-keyed sampling: with the same seed, drafting up to 1, up to 4, or as the adaptive
-    controller chooses commits the same tokens (what makes timing-driven draft lengths reproducible)."""
+    """Position-keyed sampling: with the same seed, no drafter, drafting up to 1, up to 4, or as the
+    adaptive controller chooses commit the same tokens (what makes timing-driven draft lengths
+    reproducible, and drafting on / off the same run)."""
     prompts = text_prompts()
     params = SamplingParams(n=6, temperature=temperature, top_p=top_p, max_new_tokens=12)
     outs, forwards = [], []
-    for cfg in (DrafterConfig(enabled=True, k=1, adaptive=False), DrafterConfig(enabled=True, k=4, adaptive=False),
+    for cfg in (None, DrafterConfig(enabled=True, k=1, adaptive=False), DrafterConfig(enabled=True, k=4, adaptive=False),
                 DrafterConfig(enabled=True, k=4)):
         eng = TorchRolloutEngine(peaky_model, cfg)
         warm(eng, prompts, SamplingParams(n=6, temperature=1.0, max_new_tokens=12), seed=3)
         res = eng.generate(prompts, params, torch.Generator().manual_seed(11))
         outs.append([r.completion_ids for r in res.rollouts])
         forwards.append(res.seq_forwards)
-    assert outs[0] == outs[1] == outs[2]
-    assert forwards[1] < forwards[0]  # k = 4 really drafted more
+    assert outs[0] == outs[1] == outs[2] == outs[3]
+    assert forwards[2] < forwards[1] < forwards[0]  # k = 4 really drafted more than k = 1
 
 
 def test_trace_replay_counts_tokens_per_forward_as_worked_by_hand():

@@ -8,17 +8,16 @@ k = 0 case of the same loop) and verifies the draft exactly:
 
 - the target distribution p' at each position is softmax(logits / T) with the
   top-p nucleus kept (one-hot argmax when T = 0, greedy);
-- with a drafter, the token at each (row, completion position) is a position-keyed
+- the token at each (row, completion position) after the first is a position-keyed
   sample of p' (inverse CDF at a hashed uniform, `position_keyed_sample`): a drafted
   token is accepted iff it equals that sample (probability p'(x): speculative
   sampling's min(1, p/q) with a deterministic draft, q = 1), and the sample at the
   first mismatch is the bonus token. The committed tokens are distributed exactly as
-  without drafting (greedy: identical tokens), and they do not depend on how many
-  tokens each forward drafted;
+  without drafting, and they do not depend on how many tokens each forward drafted:
+  with the same seed, drafting on or off commits the same tokens;
 - how many tokens to draft is chosen per forward from measured rates
   (`draft_control.DraftController`, `rollout.drafter.adaptive`), so drafting only runs
-  where it makes rollouts faster; without a drafter, plain decoding draws from the run's
-  generator.
+  where it makes rollouts faster.
 
 Reported log-probs are log_softmax(logits / T) of each committed token, the
 quantity the trainer recomputes (top-p changes what can be drawn, not the
@@ -206,8 +205,8 @@ class TorchRolloutEngine:
         first_logp = logp.gather(-1, first[:, None]).squeeze(-1)
         tokens = [[t] for t in to_host(first).tolist()]
         logps = [[x] for x in to_host(first_logp).tolist()]
-        # with a drafter, later tokens are position-keyed samples (position_keyed_sample)
-        row_seeds = (torch.randint(0, 1 << 62, (b,), generator=generator, device=dev) if self.drafter else None)
+        # later tokens are position-keyed samples (position_keyed_sample): a row's seed and the position
+        row_seeds = torch.randint(0, 1 << 62, (b,), generator=generator, device=dev)
         done = [params.max_new_tokens <= 1 or t[0] == model.eos_token_id for t in tokens]
         # a row's drafter state is made when it first drafts (plain forwards need none)
         states: list = [None] * b
@@ -246,10 +245,9 @@ class TorchRolloutEngine:
                 step_ids[i, :1 + len(d)] = torch.tensor([tokens[i][-1]] + d)
                 step_mask[i, :1 + len(d)] = 1
                 draft[i, :len(d)] = torch.tensor(d, dtype=torch.long)
-            # the host-built step (ids, mask, drafts, finished rows) goes to the device in one copy
-            step = to_device(torch.cat([step_ids, step_mask, draft, counts,
-                                        torch.tensor([[int(x)] for x in done], dtype=torch.long)], dim=1), dev)
-            step_ids, step_mask, draft, counts, finished = step.split([width, width, width - 1, 1, 1], dim=1)
+            # the host-built step (ids, mask, drafts, positions) goes to the device in one copy
+            step = to_device(torch.cat([step_ids, step_mask, draft, counts], dim=1), dev)
+            step_ids, step_mask, draft, counts = step.split([width, width, width - 1, 1], dim=1)
             mask = torch.cat([mask, step_mask], dim=1)
             col0 = mask.shape[1] - width
             future = self._pool.submit(self._prefetch, states, dict(drafts), k) if self._pool and drafts else None
@@ -263,16 +261,10 @@ class TorchRolloutEngine:
             prepared = future.result() if future is not None else {}
             # Verify every row at once: accepted length j, then the bonus token.
             valid = draft >= 0
-            if row_seeds is not None:  # a draft token is accepted iff it is the position's own sample
-                committed = position_keyed_sample(probs, row_seeds, counts + torch.arange(width, device=dev)[None])
-                accept = (committed[:, :-1] == draft) & valid
-                j = accept.long().cumprod(dim=1).sum(dim=1)                      # [B]; valid up to j
-            else:  # plain decoding (width 1): the run's generator
-                accept = valid
-                j = torch.zeros(b, dtype=torch.long, device=dev)
-                dist = probs[:, 0].clone()
-                dist[finished[:, 0].bool()] = 1.0  # finished rows: any token
-                committed = torch.multinomial(dist / dist.sum(-1, keepdim=True), 1, generator=generator)
+            # a draft token is accepted iff it is its position's own sample
+            committed = position_keyed_sample(probs, row_seeds, counts + torch.arange(width, device=dev)[None])
+            accept = (committed[:, :-1] == draft) & valid
+            j = accept.long().cumprod(dim=1).sum(dim=1)                          # [B]; valid up to j
             committed_logp = logp.gather(-1, committed[..., None]).squeeze(-1)
             # roll back: draft columns at or after the first rejection leave attention
             cols = torch.arange(1, width, device=dev)[None, :]
