@@ -52,7 +52,7 @@ class Workload:
         self.history = history or []  # (prompt id, completion) the drafter has seen before
 
 
-def demo_workload(prompts: int = 32, rounds: int = 4) -> Workload:
+def demo_workload(prompts: int = 32, rounds: int = 13) -> Workload:
     from loomrl.platform import recipe as R
     from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files, to_prompts
     from loomrl.platform.rollout.base import SamplingParams
@@ -66,7 +66,7 @@ def demo_workload(prompts: int = 32, rounds: int = 4) -> Workload:
     return Workload("demo", model.eval(), [batch] * rounds, params)
 
 
-def traced_workload(path: Path = TRACES, prompts: int = 4, samples: int = 2, tokens: int = 48,
+def traced_workload(path: Path = TRACES, prompts: int = 2, samples: int = 2, tokens: int = 128,
                     rounds: int = 4) -> Workload:
     """The Qwen2-0.5B-shaped policy with completions forced to the traces (module docstring)."""
     from loomrl.platform.backbone.vlm import VLM

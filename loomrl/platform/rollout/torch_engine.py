@@ -21,8 +21,8 @@ k = 0 case of the same loop) and verifies the draft exactly:
 
 Reported log-probs are log_softmax(logits / T) of each committed token, the
 quantity the trainer recomputes (top-p changes what can be drawn, not the
-reported value). Rejected draft tokens stay in the KV cache but are masked out
-of attention from then on, which is the rollback.
+reported value). Rejected draft tokens leave the KV cache after each forward
+(`drop_rejected`), which is the rollback.
 """
 from __future__ import annotations
 
@@ -85,6 +85,28 @@ def position_keyed_sample(probs: torch.Tensor, row_seeds: torch.Tensor, position
     # the first token whose cumulative probability reaches u: a token of probability 0 never is
     token = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None]).squeeze(-1)
     return token.clamp(max=probs.shape[-1] - 1)
+
+
+def drop_rejected(mask: torch.Tensor, cache, col0: int, kept: torch.Tensor):
+    """The mask and KV cache after a verifying forward that appended columns col0.. : row i keeps the
+    first kept[i] of them (its last token and its accepted drafts), moved to the block's right end
+    (a masked gap before them is harmless: positions count real tokens only), and the block's
+    leading columns that no row keeps are dropped. Without this, every rejected draft token would
+    stay in the cache, masked, and the cache (and each forward's attention over it) would grow by
+    the full draft width per forward instead of by the tokens accepted."""
+    keep = int(kept.max())
+    src = torch.arange(keep, device=mask.device)[None, :] - keep + kept[:, None]  # [B, keep]; < 0: a gap
+    hole = src < 0
+    src = src.clamp(min=0)
+    block = mask[:, col0:].gather(1, src).masked_fill(hole, 0)
+    new_mask = torch.cat([mask[:, :col0], block], dim=1)
+    idx = src[:, None, :, None]
+    new_cache = []
+    for k, v in cache:
+        i = idx.expand(k.shape[0], k.shape[1], keep, k.shape[3])
+        new_cache.append((torch.cat([k[:, :, :col0], k[:, :, col0:].gather(2, i)], dim=2),
+                          torch.cat([v[:, :, :col0], v[:, :, col0:].gather(2, i)], dim=2)))
+    return new_mask, new_cache
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device = torch.device("cpu")
@@ -266,9 +288,8 @@ class TorchRolloutEngine:
             accept = (committed[:, :-1] == draft) & valid
             j = accept.long().cumprod(dim=1).sum(dim=1)                          # [B]; valid up to j
             committed_logp = logp.gather(-1, committed[..., None]).squeeze(-1)
-            # roll back: draft columns at or after the first rejection leave attention
-            cols = torch.arange(1, width, device=dev)[None, :]
-            mask[:, col0 + 1:] = mask[:, col0 + 1:] * ((cols - 1) < j[:, None]).long()
+            if width > 1:  # roll back: the rejected draft columns leave the KV cache and the mask
+                mask, cache = drop_rejected(mask, cache, col0, 1 + j)
             # what the host needs of this forward, in one copy: per row j and the committed
             # tokens with their log-probs, per draft position the drafted and accepted counts
             n_drafted = valid.sum(dim=0)
