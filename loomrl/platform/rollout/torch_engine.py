@@ -254,19 +254,29 @@ class TorchRolloutEngine:
         k_now = (control.choose() if control else k) if self.drafter else 0
         drafts = propose_all(k_now, {})
         seq_forwards = b
+        live = list(range(b))  # the rows in the batch tensors (mask, cache, seeds), in order
+        seeds = row_seeds
         while not all(done):
-            live = [i for i in range(b) if not done[i]]
-            seq_forwards += len(live)
+            still = [r for r, i in enumerate(live) if not done[i]]
+            if len(still) < len(live):  # finished rows leave the batch: later forwards score live rows only
+                sel = to_device(torch.tensor(still), dev)
+                mask, seeds = mask[sel], seeds[sel]
+                cache = [(kc[sel], vc[sel]) for kc, vc in cache]
+                rope_deltas = rope_deltas[sel] if rope_deltas is not None else None
+                force = force[sel] if force is not None else None
+                live = [live[r] for r in still]
+            n = len(live)
+            seq_forwards += n
             width = 1 + max((len(drafts[i].tokens) for i in live if i in drafts), default=0)
-            step_ids = torch.full((b, width), model.pad_token_id, dtype=torch.long)
-            step_mask = torch.zeros((b, width), dtype=torch.long)
-            draft = torch.full((b, width - 1), -1, dtype=torch.long)
-            counts = torch.tensor([[len(t)] for t in tokens], dtype=torch.long)  # completion tokens so far
-            for i in live:
+            step_ids = torch.full((n, width), model.pad_token_id, dtype=torch.long)
+            step_mask = torch.zeros((n, width), dtype=torch.long)
+            draft = torch.full((n, width - 1), -1, dtype=torch.long)
+            counts = torch.tensor([[len(tokens[i])] for i in live], dtype=torch.long)  # completion tokens so far
+            for r, i in enumerate(live):
                 d = drafts[i].tokens if i in drafts else []
-                step_ids[i, :1 + len(d)] = torch.tensor([tokens[i][-1]] + d)
-                step_mask[i, :1 + len(d)] = 1
-                draft[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+                step_ids[r, :1 + len(d)] = torch.tensor([tokens[i][-1]] + d)
+                step_mask[r, :1 + len(d)] = 1
+                draft[r, :len(d)] = torch.tensor(d, dtype=torch.long)
             # the host-built step (ids, mask, drafts, positions) goes to the device in one copy
             step = to_device(torch.cat([step_ids, step_mask, draft, counts], dim=1), dev)
             step_ids, step_mask, draft, counts = step.split([width, width, width - 1, 1], dim=1)
@@ -284,7 +294,7 @@ class TorchRolloutEngine:
             # Verify every row at once: accepted length j, then the bonus token.
             valid = draft >= 0
             # a draft token is accepted iff it is its position's own sample
-            committed = position_keyed_sample(probs, row_seeds, counts + torch.arange(width, device=dev)[None])
+            committed = position_keyed_sample(probs, seeds, counts + torch.arange(width, device=dev)[None])
             accept = (committed[:, :-1] == draft) & valid
             j = accept.long().cumprod(dim=1).sum(dim=1)                          # [B]; valid up to j
             committed_logp = logp.gather(-1, committed[..., None]).squeeze(-1)
@@ -295,7 +305,7 @@ class TorchRolloutEngine:
             n_drafted = valid.sum(dim=0)
             n_accepted = accept.long().cumprod(dim=1).sum(dim=0)
             host = to_host(torch.cat([j[:, None].double(), committed.double(), committed_logp.double(),
-                                      torch.cat([n_drafted, n_accepted]).double()[None].expand(b, -1)], dim=1))
+                                      torch.cat([n_drafted, n_accepted]).double()[None].expand(n, -1)], dim=1))
             j_list = host[:, 0].long().tolist()
             comm_list = host[:, 1:1 + width].long().tolist()
             comm_logp = host[:, 1 + width:1 + 2 * width].tolist()
@@ -306,10 +316,10 @@ class TorchRolloutEngine:
                 stats.accepted_by_pos[pos] += n_accepted[pos]
             next_drafts: dict[int, Draft] = {}
             committed_now = 0
-            for i in live:
-                ji = j_list[i]
-                new = comm_list[i][:ji + 1]
-                new_logp = comm_logp[i][:ji + 1]
+            for r, i in enumerate(live):
+                ji = j_list[r]
+                new = comm_list[r][:ji + 1]
+                new_logp = comm_logp[r][:ji + 1]
                 if model.eos_token_id in new:
                     cut = new.index(model.eos_token_id) + 1
                     new, new_logp = new[:cut], new_logp[:cut]
