@@ -232,6 +232,9 @@ class TorchRolloutEngine:
         done = [params.max_new_tokens <= 1 or t[0] == model.eos_token_id for t in tokens]
         # a row's drafter state is made when it first drafts (plain forwards need none)
         states: list = [None] * b
+        # per row, the most it drafts next: twice what its last draft got committed (its accepted
+        # tokens + 1), so a row whose drafts keep failing costs the forward few extra positions
+        cap = [k] * b
 
         def propose_all(k_now: int, ready: dict[int, Draft]) -> dict[int, Draft]:
             """Each live row's draft of up to k_now tokens: prefetched (`ready`) or looked up."""
@@ -240,7 +243,7 @@ class TorchRolloutEngine:
             for i in range(b):
                 if done[i] or k_now == 0:
                     continue
-                n = min(k_now, params.max_new_tokens - 1 - len(tokens[i]))
+                n = min(k_now, cap[i], params.max_new_tokens - 1 - len(tokens[i]))
                 if i in ready:  # the drafter is deterministic: a shorter draft is a prefix of a longer one
                     d = ready[i]
                     out[i] = Draft(d.tokens[:n], d.alternatives[:n + 1], d.backoff[:n + 1])
@@ -332,7 +335,9 @@ class TorchRolloutEngine:
                     done[i] = True
                     continue
                 if self.drafter and i in drafts:
-                    n_d = len(drafts[i].tokens) if i in drafts else 0
+                    n_d = len(drafts[i].tokens)
+                    if n_d:
+                        cap[i] = 2 * (ji + 1)
                     outcome = (ji, new[-1])
                     if self.prefetcher:
                         self.prefetcher.observe(n_d, ji, outcome in prepared.get(i, {}))
