@@ -74,7 +74,7 @@ def test_qwen2_vl_checkpoint_with_vllm_rollouts_and_drafting(tmp_path, demo_shar
     folder = tmp_path / "qwen2-vl"
     _qwen2_vl(str(folder), "qwen2_vl", vocab_size=PADDED)
     d, _ = demo_shards
-    want = check_composes(tmp_path, d, ["rollout.engine=vllm", "rollout.drafter.enabled=true", f"model.init_from={folder}",
+    want = check_composes(tmp_path, d, ["rollout.engine=vllm", "rollout.drafter.enabled=true", "rollout.drafter.adaptive=false", f"model.init_from={folder}",
                                         f"model.tokenizer={folder}", *OVERRIDES, "training.micro_batch_size=8"])
     # vLLM's M-RoPE positions are the trainer's: pi_old under the trainer / pi_rollout is 1 on every token
     assert all(abs(r["is_ratio_mean"] - 1) < 1e-4 and r["is_ratio_max"] < 1 + 1e-3 for r in want)

@@ -46,7 +46,7 @@ def untied(request, tokenizer):
 @pytest.fixture(scope="session")
 def drafting(request, tokenizer):
     model = build_policy(CFG, tokenizer, seed=0)  # the same weights as `plain`
-    return _engine(request, model, drafter_cfg=DrafterConfig(enabled=True, k=4, global_history=0), temperature=0.0)
+    return _engine(request, model, drafter_cfg=DrafterConfig(enabled=True, k=4, global_history=0, adaptive=False), temperature=0.0)
 
 
 @pytest.fixture()
@@ -189,3 +189,12 @@ def test_sampled_drafting_is_on_for_vllm_032_only(monkeypatch):
 
 def test_no_export_folder_left_in_tmp(plain):
     assert not glob.glob(os.path.join(tempfile.gettempdir(), "loomrl-vllm-*"))
+
+
+def test_adaptive_drafting_stays_off_in_vllm(request, tokenizer):
+    """vLLM fixes its draft length when it starts, so the default (adaptive) drafter does not
+    draft there, and the engine says why; adaptive=false drafts (the `drafting` fixture)."""
+    engine = _engine(request, build_policy(CFG, tokenizer, seed=0), drafter_cfg=DrafterConfig(enabled=True),
+                     temperature=1.0)
+    assert engine.drafter is None and engine.drafter_cfg is None
+    assert "rollout.drafter.adaptive=false" in engine.drafting_note

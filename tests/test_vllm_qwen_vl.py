@@ -75,7 +75,7 @@ def plain(request, policy):
 @pytest.fixture(scope="module")
 def drafting(request, policy):
     model = copy.deepcopy(policy[1])  # the same weights, its own copy (the sync test moves `plain`'s)
-    return _engine(request, model, drafter_cfg=DrafterConfig(enabled=True, k=4, global_history=0),
+    return _engine(request, model, drafter_cfg=DrafterConfig(enabled=True, k=4, global_history=0, adaptive=False),
                    temperature=SAMPLED.temperature)
 
 

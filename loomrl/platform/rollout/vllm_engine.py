@@ -199,6 +199,11 @@ class VLLMRolloutEngine:
                              f"hidden_size / num_heads = {head_dim} (set model.num_heads accordingly)")
         self.drafter_cfg = drafter_cfg if drafter_cfg is not None and drafter_cfg.enabled else None
         self.drafting_note = ""
+        if self.drafter_cfg is not None and self.drafter_cfg.adaptive:
+            # vLLM fixes the draft length when it starts, so it cannot stop drafting where it does not pay
+            self.drafter_cfg = None
+            self.drafting_note = ("rollout.drafter.adaptive: vLLM's draft length is fixed when it starts, so it does "
+                                  "not draft; rollout.drafter.adaptive=false drafts k tokens per step")
         if self.drafter_cfg is not None:
             ok, self.drafting_note = drafting_supported(temperature)
             if not ok:
