@@ -160,14 +160,16 @@ def test_history_caps_hold_over_a_long_run():
     for step in range(3000):
         key = f"p{rng.randrange(20)}"
         d.observe(key, [rng.randrange(50) for _ in range(rng.randrange(1, 80))])
+        if step % 7 == 0:  # a lookup indexes what is pending: evictions meet indexed and pending sequences
+            d.propose(d.start(key, [rng.randrange(50) for _ in range(3)]), 4)
         assert len(d.histories) <= 7
         for h in d.histories.values():
             assert len(h.seqs) <= 5 and h.tokens <= 200
             assert h.tokens == sum(len(s) for s in h.seqs.values())
         assert len(d.global_history.seqs) <= 9
-    # indexes hold only live sequences
+    # completions are indexed when a lookup first needs them; then the indexes hold only live sequences
     for h in list(d.histories.values()) + [d.global_history]:
-        live = set(h.seqs)
+        live = set(h.ready().seqs)
         assert all(_split(o)[0] in live for occ in h.index.values() for o in occ)
         assert sum(len(o) for o in h.unigram.values()) == h.tokens
 

@@ -12,7 +12,7 @@ choices). Workloads:
                    so drafts are rarely accepted and drafting must simply not cost anything.
     qwen2-0.5b     a decoder shaped like Qwen2-0.5B (24 layers, hidden 896, 14 heads, 2 KV heads,
                    MLP 4864; random weights, vocabulary = the trace's tokens) whose sampled tokens are
-                   forced to real rollouts (`../shared/traces/traces_C.jsonl.gz`, Gemma-3-270M at
+                   forced to real rollouts (`data/traces/traces_C.jsonl.gz`, Gemma-3-270M at
                    T = 0.6 on HumanEval): acceptance is what those rollouts give, and each forward
                    costs what it costs at that size. The prompts' earlier rounds fill the histories;
                    the measured batches are the last round's samples.
@@ -37,7 +37,7 @@ import torch
 log = logging.getLogger("loomrl.bench")
 
 ROOT = Path(__file__).resolve().parents[3]
-TRACES = ROOT.parent / "shared" / "traces" / "traces_C.jsonl.gz"
+TRACES = ROOT / "data" / "traces" / "traces_C.jsonl.gz"
 QWEN2_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
                  rope_theta=1_000_000.0)
 
@@ -67,8 +67,10 @@ def demo_workload(prompts: int = 32, rounds: int = 25) -> Workload:
 
 
 def traced_workload(path: Path = TRACES, prompts: int = 2, samples: int = 2, tokens: int = 128,
-                    rounds: int = 4) -> Workload:
-    """The Qwen2-0.5B-shaped policy with completions forced to the traces (module docstring)."""
+                    rounds: int = 4, shape: Optional[dict] = None) -> Workload:
+    """The Qwen2-0.5B-shaped policy (or `shape`: ModelConfig sizes) with completions forced to the
+    traces (module docstring)."""
+    shape = shape or QWEN2_05B
     from loomrl.platform.backbone.vlm import VLM
     from loomrl.platform.recipe import ModelConfig
     from loomrl.platform.rollout.base import Prompt, SamplingParams
@@ -98,10 +100,10 @@ def traced_workload(path: Path = TRACES, prompts: int = 2, samples: int = 2, tok
             return len(vocab) + 3
 
     hf_config = {"model_type": "qwen2", "vocab_size": len(vocab) + 3, "tie_word_embeddings": True,
-                 "hidden_size": QWEN2_05B["hidden_size"], "num_hidden_layers": QWEN2_05B["num_layers"],
-                 "num_attention_heads": QWEN2_05B["num_heads"], "num_key_value_heads": QWEN2_05B["num_kv_heads"],
-                 "intermediate_size": QWEN2_05B["intermediate_size"], "rope_theta": QWEN2_05B["rope_theta"]}
-    model = VLM(ModelConfig(**QWEN2_05B), Tokens(), hf_config).eval()
+                 "hidden_size": shape["hidden_size"], "num_hidden_layers": shape["num_layers"],
+                 "num_attention_heads": shape["num_heads"], "num_key_value_heads": shape["num_kv_heads"],
+                 "intermediate_size": shape["intermediate_size"], "rope_theta": shape.get("rope_theta", 1e6)}
+    model = VLM(ModelConfig(**shape), Tokens(), hf_config).eval()
     history = [(r["prompt_id"], remap(r["completion_ids"])) for r in rows if r["round"] < last]
     prompt_of = {pid: Prompt(pid, remap(by_prompt[pid][0]["prompt_ids"])) for pid in chosen}
     batches, forced = [], []

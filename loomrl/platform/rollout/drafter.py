@@ -76,20 +76,34 @@ class _History:
         self.next_id = 0
         self.index: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
         self.unigram: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        self.pending: list[int] = []  # sequence ids added but not yet indexed, oldest first
 
     def add(self, seq: list[int]) -> None:
+        """Keep `seq`; it is indexed when a lookup first needs it (`ready`), so a run that
+        does not draft (draft_control chose plain decoding) pays a list append per completion."""
         sid = self.next_id
         self.next_id += 1
         self.seqs[sid] = seq
         self.tokens += len(seq)
-        for i in range(len(seq)):
-            self.unigram[seq[i]].append(_occ(sid, i + 1))
-            if i >= 1:
-                self.index[(seq[i - 1], seq[i])].append(_occ(sid, i + 1))
+        self.pending.append(sid)
+
+    def ready(self) -> "_History":
+        """Index the completions added since the last lookup, oldest first."""
+        for sid in self.pending:
+            seq = self.seqs[sid]
+            for i in range(len(seq)):
+                self.unigram[seq[i]].append(_occ(sid, i + 1))
+                if i >= 1:
+                    self.index[(seq[i - 1], seq[i])].append(_occ(sid, i + 1))
+        self.pending = []
+        return self
 
     def evict_oldest(self) -> None:
         sid, seq = self.seqs.popitem(last=False)
         self.tokens -= len(seq)
+        if self.pending and self.pending[0] == sid:  # never indexed: nothing to drop
+            self.pending.pop(0)
+            return
         keys = {seq[i] for i in range(len(seq))}
         bigrams = {(seq[i - 1], seq[i]) for i in range(1, len(seq))}
         for table, ks in ((self.unigram, keys), (self.index, bigrams)):
@@ -207,6 +221,9 @@ class NgramDrafter:
         if k <= 0 or not ctx:
             return Draft([])
         hist = self.histories.get(state.key)
+        if hist is not None:
+            hist.ready()
+        self.global_history.ready()
         cands = self._occurrences(ctx, hist, state)
         draft = _walk(cands, k) if cands else Draft([])
         if backoff:
