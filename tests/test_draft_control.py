@@ -27,14 +27,14 @@ def test_climbs_to_the_best_length_where_drafting_pays():
 
 
 @pytest.mark.parametrize("slowdown", [1.2, 3.0])
-def test_drafting_that_does_not_pay_costs_at_most_one_forward_in_sixteen(slowdown):
+def test_drafting_that_does_not_pay_costs_at_most_one_forward_in_32(slowdown):
     rates = {0: 100, 1: 100 / slowdown, 2: 90 / slowdown, 4: 80 / slowdown, 8: 70 / slowdown}
     c = DraftController(8)
     chosen = run(c, rates.get, 1000)
     drafted = sum(k > 0 for k in chosen)
     assert set(chosen) == {0, 1}  # k = 1 lost, so longer drafts are never tried
-    assert drafted <= 1000 / 16
-    assert sum(k > 0 for k in chosen[-500:]) <= 500 / EXPLORE_MAX + 1  # steady state: one in 64
+    assert drafted <= 1000 / 32
+    assert sum(k > 0 for k in chosen[-500:]) <= 500 / EXPLORE_MAX + 1  # steady state: one in 256
     s = c.summary()
     assert s["draft_k_best"] == 0 and s["draft_k0_tokens_per_s"] == pytest.approx(100) and 0 < s["draft_k_mean"] < 0.1
 
@@ -44,7 +44,7 @@ def test_follows_a_workload_that_changes():
     on a recheck and moves."""
     c = DraftController(8)
     run(c, {0: 100, 1: 60, 2: 50, 4: 40, 8: 30}.get, 200)
-    later = run(c, {0: 100, 1: 150, 2: 200, 4: 260, 8: 240}.get, 200)
+    later = run(c, {0: 100, 1: 150, 2: 200, 4: 260, 8: 240}.get, 400)  # a recheck within 256 forwards
     assert later[-50:].count(4) >= 45
 
 

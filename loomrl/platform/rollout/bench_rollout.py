@@ -52,7 +52,7 @@ class Workload:
         self.history = history or []  # (prompt id, completion) the drafter has seen before
 
 
-def demo_workload(prompts: int = 32, rounds: int = 25) -> Workload:
+def demo_workload(prompts: int = 32, rounds: int = 41) -> Workload:
     from loomrl.platform import recipe as R
     from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files, to_prompts
     from loomrl.platform.rollout.base import SamplingParams
