@@ -36,7 +36,7 @@ def test_drafting_that_does_not_pay_costs_at_most_one_forward_in_32(slowdown):
     assert drafted <= 1000 / 32
     assert sum(k > 0 for k in chosen[-500:]) <= 500 / EXPLORE_MAX + 1  # steady state: one in 256
     s = c.summary()
-    assert s["draft_k_best"] == 0 and s["draft_k0_tokens_per_s"] == pytest.approx(100) and 0 < s["draft_k_mean"] < 0.1
+    assert s["draft_k_best"] == 0 and s["draft_k0_row_tokens_per_s"] == pytest.approx(100) and 0 < s["draft_k_mean"] < 0.1
 
 
 def test_follows_a_workload_that_changes():

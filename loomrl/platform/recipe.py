@@ -335,7 +335,7 @@ class DrafterConfig:
     measurably gives, tokens committed per second with lookups and verification counted, so
     drafting does not run where it makes the rollout slower (rollout/draft_control.py), and cap
     each row's draft at twice what its last one got committed; the choice and the measured
-    rates are logged (`draft_k_mean`, `draft_k_best`, `draft_k<k>_tokens_per_s`). vLLM fixes the
+    rates are logged (`draft_k_mean`, `draft_k_best`, `draft_k<k>_row_tokens_per_s`). vLLM fixes the
     draft length when it starts, so there drafting needs `adaptive: false`. false: always
     draft up to k."""
     max_history: int = ranged(16, ge=1)

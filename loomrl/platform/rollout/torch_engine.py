@@ -347,7 +347,7 @@ class TorchRolloutEngine:
                         next_drafts[i] = prepared[i][outcome]
             if control is not None:
                 now = time.perf_counter()
-                control.observe(committed_now, now - t_step)  # this forward's lookups, forward and verification
+                control.observe(committed_now, now - t_step, n)  # this forward's lookups, forward and verification
                 t_step = now
                 k_now = control.choose()
             if self.drafter:
