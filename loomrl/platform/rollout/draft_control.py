@@ -8,8 +8,8 @@ per-row lookups in Python, so even well-accepted drafts can lose. No fixed k is 
 so the engine measures instead of guessing, one forward at a time:
 
 - the arms are draft lengths k in {0 (plain decoding), 1, 2, 4, ..., K};
-- each forward runs one arm; its *rate* is the tokens that forward committed per live row divided by
-  what it took
+- each forward runs one arm; its *rate* is the tokens that forward committed for the row furthest
+  behind (a batch of rollouts takes as long as its last row) divided by what it took
   (the lookups that prepared its drafts, the forward and the verification); an arm's rate is its
   tokens over its seconds, both summed over its forwards, each weighted by 0.95 per forward since
   (a ratio of sums, so one lucky or unlucky forward moves it little, and an arm measured long ago
@@ -23,7 +23,7 @@ so the engine measures instead of guessing, one forward at a time:
   (a recheck where lookups dominate, the demo's 256 rows, costs about two plain forwards).
 
 The decision and its inputs reach the metrics row (`summary`): the mean k per forward, the best arm
-and every measured arm's rate (`draft_k<k>_row_tokens_per_s`: tokens per live row per second).
+and every measured arm's rate (`draft_k<k>_row_tokens_per_s`: the last row's tokens per second).
 """
 from __future__ import annotations
 
@@ -78,14 +78,15 @@ class DraftController:
         self.chosen.append(self.arms[pick].k)
         return self.arms[pick].k
 
-    def observe(self, tokens: int, seconds: float, rows: int = 1) -> None:
-        """The forward chosen last committed `tokens` for `rows` live rows in `seconds` (lookups,
-        forward, verification). Rates are per row: a forward late in a batch, with few rows left,
-        says nothing about the draft length that ran it."""
+    def observe(self, tokens: int, seconds: float) -> None:
+        """The forward chosen last advanced the batch by `tokens` in `seconds` (lookups, forward,
+        verification). The engine passes the tokens committed for the row furthest behind: a
+        batch of rollouts takes as long as its last row, so rows that drafted well while another
+        did not have not made the batch any faster."""
         i = self._pending
         arm = self.arms[i]
         fade = DECAY ** (self.forwards - arm.last)  # by forwards elapsed: a rechecked arm's old rate fades
-        arm.tokens = fade * arm.tokens + tokens / max(1, rows)
+        arm.tokens = fade * arm.tokens + tokens
         arm.seconds = fade * arm.seconds + max(seconds, 1e-9)
         arm.measured += 1
         arm.last = self.forwards

@@ -318,7 +318,9 @@ class TorchRolloutEngine:
                 stats.drafted_by_pos[pos] += n_drafted[pos]
                 stats.accepted_by_pos[pos] += n_accepted[pos]
             next_drafts: dict[int, Draft] = {}
-            committed_now = 0
+            # the row furthest behind: a batch takes as long as its last row, so its progress is the rate
+            behind = min(live, key=lambda i: len(tokens[i]))
+            behind_now = 0
             for r, i in enumerate(live):
                 ji = j_list[r]
                 new = comm_list[r][:ji + 1]
@@ -328,7 +330,8 @@ class TorchRolloutEngine:
                     new, new_logp = new[:cut], new_logp[:cut]
                 tokens[i].extend(new)
                 logps[i].extend(new_logp)
-                committed_now += len(new)
+                if i == behind:
+                    behind_now = len(new)
                 if states[i] is not None:
                     states[i].extend(new)
                 if new[-1] == model.eos_token_id or len(tokens[i]) >= params.max_new_tokens:
@@ -347,7 +350,7 @@ class TorchRolloutEngine:
                         next_drafts[i] = prepared[i][outcome]
             if control is not None:
                 now = time.perf_counter()
-                control.observe(committed_now, now - t_step, n)  # this forward's lookups, forward and verification
+                control.observe(behind_now, now - t_step)  # this forward's lookups, forward and verification
                 t_step = now
                 k_now = control.choose()
             if self.drafter:
