@@ -29,10 +29,11 @@ def rewards(tmp_path, name, demo_shards, extra=()):
     return [json.loads(x)["reward_mean"] for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("extra", [[], ["model.lora.rank=8"]], ids=["full", "lora"])
+@pytest.mark.parametrize("extra", [[], ["model.lora.rank=8", "training.steps=60"]], ids=["full", "lora"])
 def test_demo_rl_raises_the_reward_above_a_control_that_does_not_learn(tmp_path, demo_shards, extra):
     """`lora`: the same with LoRA adapters on the language model (its own weights frozen; warm-up
-    and RL train the adapters, towers and embeddings)."""
+    and RL train the adapters, towers and embeddings), over 60 RL steps: the adapters learn more
+    slowly, and in 40 steps the rise from the first rollouts was 0.048 on one draw of the samples."""
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     learner = rewards(tmp_path, "learn", demo_shards, extra)
     control = rewards(tmp_path, "control", demo_shards, [*extra, "training.lr=1e-12"])
