@@ -240,8 +240,10 @@ class TorchRolloutEngine:
             """Each live row's draft of up to k_now tokens: prefetched (`ready`) or looked up."""
             out: dict[int, Draft] = {}
             memo: dict = {}
+            if k_now == 0:  # plain decoding: no lookups
+                return out
             for i in range(b):
-                if done[i] or k_now == 0:
+                if done[i]:
                     continue
                 n = min(k_now, cap[i], params.max_new_tokens - 1 - len(tokens[i]))
                 if i in ready:  # the drafter is deterministic: a shorter draft is a prefix of a longer one
@@ -319,7 +321,7 @@ class TorchRolloutEngine:
                 stats.accepted_by_pos[pos] += n_accepted[pos]
             next_drafts: dict[int, Draft] = {}
             # the row furthest behind: a batch takes as long as its last row, so its progress is the rate
-            behind = min(live, key=lambda i: len(tokens[i]))
+            behind = min(live, key=lambda i: len(tokens[i])) if control is not None else -1
             behind_now = 0
             for r, i in enumerate(live):
                 ji = j_list[r]
