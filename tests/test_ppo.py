@@ -105,6 +105,7 @@ def cli(tmp: Path, out: str, *extra: str) -> int:
                  f"data.shards={tmp}/shards/demo-*.tar", "data.demo.samples=48", "data.shuffle_buffer=20",
                  "training.steps=4", "training.warmup.steps=2", "training.mini_batches=1", "training.prompts_per_step=4", "rollout.n=2",
                  "checkpoint.every=1", "checkpoint.keep_last=3", "rollout.drafter.compare_every=0",
+                 "rollout.drafter.adaptive=false",  # bit-identical resume (docs/running.md)
                  "logging.tensorboard=false", "goal=null", "training.threads=1",
                  "algorithm.reward=rewards_for_tests:distinct_words", *extra])
 
