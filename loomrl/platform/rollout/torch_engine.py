@@ -339,7 +339,7 @@ class TorchRolloutEngine:
                 if new[-1] == model.eos_token_id or len(tokens[i]) >= params.max_new_tokens:
                     done[i] = True
                     continue
-                if self.drafter and i in drafts:
+                if i in drafts:  # (drafts exist only with a drafter)
                     n_d = len(drafts[i].tokens)
                     if n_d:
                         cap[i] = 2 * (ji + 1)
@@ -347,7 +347,7 @@ class TorchRolloutEngine:
                     if self.prefetcher:
                         self.prefetcher.observe(n_d, ji, outcome in prepared.get(i, {}))
                     stats.outcomes += 1
-                    if self._pool is not None and outcome in prepared.get(i, {}):
+                    if outcome in prepared.get(i, {}):  # (prepared only with the prefetch thread)
                         stats.prefetched += 1
                         next_drafts[i] = prepared[i][outcome]
             if control is not None:
