@@ -4,15 +4,21 @@ import pytest
 
 from loomrl.platform.rollout.draft_control import EXPLORE_MAX, DraftController, arms
 
+ROWS = 100
 
-def run(controller: DraftController, rate_of, forwards: int) -> list[int]:
-    """Drive the controller with a workload whose rate (tokens/s) per draft length is rate_of(k)."""
+
+def run(controller: DraftController, cost: dict, accept: float, forwards: int) -> list[int]:
+    """Drive the controller with a workload whose forward drafting k tokens costs cost[k] seconds per
+    row, and where each draft position is accepted with probability `accept` given its predecessor."""
     chosen = []
     for _ in range(forwards):
         k = controller.choose()
         chosen.append(k)
-        controller.observe(int(rate_of(k)), 1.0)
+        controller.observe(cost[k] * ROWS, ROWS, [round(ROWS * accept ** (p + 1)) for p in range(k)])
     return chosen
+
+
+MEMORY_BOUND = {0: 0.01, 1: 0.0105, 2: 0.011, 4: 0.012, 8: 0.016}  # extra positions nearly free
 
 
 def test_arms():
@@ -20,17 +26,20 @@ def test_arms():
 
 
 def test_climbs_to_the_best_length_where_drafting_pays():
-    rates = {0: 100, 1: 150, 2: 190, 4: 230, 8: 210}  # memory-bound: extra positions nearly free
-    chosen = run(DraftController(8), rates.get, 300)
+    # gains 1.8, 2.44, 3.36, 4.33 tokens per row for k = 1, 2, 4, 8: rates 171, 222, 280, 271 vs 100
+    c = DraftController(8)
+    chosen = run(c, MEMORY_BOUND, 0.8, 300)
     assert chosen[:5] == [0, 1, 2, 4, 8]  # each unmeasured neighbour tried at once
     assert chosen[-200:].count(4) >= 190  # settled on k = 4, a rare recheck of 2 and 8
+    assert c.gain(4) == pytest.approx(1 + 0.8 + 0.64 + 0.51 + 0.41, abs=0.01)
+    assert c.summary()["draft_acceptance"][:2] == [0.8, 0.64]
 
 
 @pytest.mark.parametrize("slowdown", [1.2, 3.0])
 def test_drafting_that_does_not_pay_costs_at_most_one_forward_in_32(slowdown):
-    rates = {0: 100, 1: 100 / slowdown, 2: 90 / slowdown, 4: 80 / slowdown, 8: 70 / slowdown}
+    cost = {k: 0.01 * (1 if k == 0 else slowdown) * (1 + k / 16) for k in (0, 1, 2, 4, 8)}
     c = DraftController(8)
-    chosen = run(c, rates.get, 1000)
+    chosen = run(c, cost, 0.1, 1000)
     drafted = sum(k > 0 for k in chosen)
     assert set(chosen) == {0, 1}  # k = 1 lost, so longer drafts are never tried
     assert drafted <= 1000 / 32
@@ -43,14 +52,14 @@ def test_follows_a_workload_that_changes():
     """Drafting does not pay at first (no history yet), then it does: the controller finds out
     on a recheck and moves."""
     c = DraftController(8)
-    run(c, {0: 100, 1: 60, 2: 50, 4: 40, 8: 30}.get, 200)
-    later = run(c, {0: 100, 1: 150, 2: 200, 4: 260, 8: 240}.get, 400)  # a recheck within 256 forwards
+    run(c, MEMORY_BOUND, 0.02, 200)
+    later = run(c, MEMORY_BOUND, 0.8, 400)  # a recheck within 256 forwards
     assert later[-50:].count(4) >= 45
 
 
 def test_state_round_trip():
     a = DraftController(8)
-    run(a, {0: 100, 1: 150, 2: 90, 4: 80, 8: 70}.get, 50)
+    run(a, MEMORY_BOUND, 0.5, 50)
     b = DraftController(8)
     b.load_state_dict(a.state_dict())
     assert [b.choose() for _ in range(1)] == [a.choose()] and b.state_dict() == a.state_dict()

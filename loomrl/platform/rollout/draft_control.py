@@ -8,29 +8,37 @@ per-row lookups in Python, so even well-accepted drafts can lose. No fixed k is 
 so the engine measures instead of guessing, one forward at a time:
 
 - the arms are draft lengths k in {0 (plain decoding), 1, 2, 4, ..., K};
-- each forward runs one arm; its *rate* is the tokens that forward committed for the row furthest
-  behind (a batch of rollouts takes as long as its last row) divided by what it took
-  (the lookups that prepared its drafts, the forward and the verification); an arm's rate is its
-  tokens over its seconds, both summed over its forwards, each weighted by 0.95 per forward since
-  (a ratio of sums, so one lucky or unlucky forward moves it little, and an arm measured long ago
-  counts mostly by its newest measurement);
-- the next forward runs the arm with the best rate (plain decoding at first, so a job starts no
-  slower than without a drafter). An arm next to the best one (one step shorter or longer) that was
-  never measured is tried at once, so a run where drafting pays climbs to its best k in a few
-  forwards; one that was measured is tried again once its measurement is `explore` forwards old.
-  `explore` starts at 32 forwards and quadruples, to at most 256, each time the retried arm loses
-  again, so an arm that does not pay gets at most one forward in 32, and in steady state one in 256
-  (a recheck where lookups dominate, the demo's 256 rows, costs about two plain forwards).
+- an arm's *cost* is measured: seconds per row of its forwards (the lookups that prepared the
+  drafts, the forward and the verification), a ratio of sums decayed by 0.95 per forward since,
+  so one slow forward moves it little and an arm measured long ago counts by its newest forwards;
+- its *gain* is estimated from every forward that drafted, whatever its arm: the acceptance rate
+  a_i of draft position i (rows that had positions 0..i accepted over rows that were allowed to
+  draft position i, decayed by 0.99 per forward: a row with no draft or a shorter one counts as
+  not accepted), and an arm drafting k tokens commits 1 + a_0 + ... + a_(k-1) tokens per row
+  (a position never offered yet counts as its predecessor's rate: optimistic, so it is tried);
+- its *rate* is gain / cost, committed tokens per second per row. The next forward runs the arm
+  with the best rate (plain decoding at first, so a job starts no slower than without a drafter).
+  An arm next to the best one (one step shorter or longer) that was never measured is tried at
+  once, so a run where drafting pays climbs to its best k in a few forwards; one that was measured
+  is tried again once its measurement is `explore` forwards old. `explore` starts at 32 forwards
+  and quadruples, to at most 256, each time the retried arm loses again, so an arm that does not
+  pay gets at most one forward in 32, and in steady state one in 256 (a recheck where lookups
+  dominate, the demo's 256 rows, costs about two plain forwards).
 
-The decision and its inputs reach the metrics row (`summary`): the mean k per forward, the best arm
-and every measured arm's rate (`draft_k<k>_row_tokens_per_s`: the last row's tokens per second).
+Pooling the acceptance over arms is what makes the choice stable: a forward's committed tokens
+vary a lot from row to row, its duration little, so an arm's rate is not at the mercy of a few
+unlucky rejections.
+
+The decision and its inputs reach the metrics row (`summary`): the mean k per forward, the best arm,
+every measured arm's rate (`draft_k<k>_row_tokens_per_s`) and the acceptance by position.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 EXPLORE_FIRST, EXPLORE_MAX = 32, 256
-DECAY = 0.95  # an arm's rate: its committed tokens over its seconds, both decayed by this per forward elapsed
+DECAY = 0.95         # an arm's cost: its seconds over its rows, both decayed by this per forward elapsed
+ACCEPT_DECAY = 0.99  # the acceptance by position: drafted and accepted counts, decayed by this per forward
 
 
 def arms(k_max: int) -> list[int]:
@@ -45,15 +53,15 @@ def arms(k_max: int) -> list[int]:
 @dataclass
 class _Arm:
     k: int
-    tokens: float = 0.0     # decayed sums over this arm's forwards: its rate is their ratio
+    rows: float = 0.0       # decayed sums over this arm's forwards: its cost is seconds per row
     seconds: float = 0.0
     measured: int = 0       # forwards measured
     last: int = -1          # forward index of the last measurement
     explore: int = EXPLORE_FIRST
 
     @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    def cost(self) -> float:
+        return self.seconds / self.rows if self.rows > 0 else 0.0
 
 
 class DraftController:
@@ -61,6 +69,8 @@ class DraftController:
 
     def __init__(self, k_max: int):
         self.arms = [_Arm(k) for k in arms(k_max)]
+        self.offered = [0.0] * k_max    # decayed: rows allowed to draft position i
+        self.accepted = [0.0] * k_max   # ... that had positions 0..i accepted
         self.best = 0           # index into arms
         self.forwards = 0
         self.chosen: list[int] = []   # k of each forward since the last `summary`
@@ -78,43 +88,67 @@ class DraftController:
         self.chosen.append(self.arms[pick].k)
         return self.arms[pick].k
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """The forward chosen last advanced the batch by `tokens` in `seconds` (lookups, forward,
-        verification). The engine passes the tokens committed for the row furthest behind: a
-        batch of rollouts takes as long as its last row, so rows that drafted well while another
-        did not have not made the batch any faster."""
+    def gain(self, k: int) -> float:
+        """Expected tokens committed per row by a forward drafting k tokens."""
+        total, rate = 1.0, 1.0
+        for i in range(k):
+            if self.offered[i] > 0:
+                rate = self.accepted[i] / self.offered[i]
+            total += rate
+        return total
+
+    def rate(self, arm: _Arm) -> float:
+        return self.gain(arm.k) / arm.cost if arm.cost > 0 else 0.0
+
+    def observe(self, seconds: float, rows: int, accepted: list[int]) -> None:
+        """The forward chosen last took `seconds` (lookups, forward, verification) for `rows` rows,
+        accepted[i] of which had draft positions 0..i accepted."""
         i = self._pending
         arm = self.arms[i]
-        fade = DECAY ** (self.forwards - arm.last)  # by forwards elapsed: a rechecked arm's old rate fades
-        arm.tokens = fade * arm.tokens + tokens
+        for p in range(len(self.offered)):
+            self.offered[p] = ACCEPT_DECAY * self.offered[p] + (rows if p < arm.k else 0)
+            self.accepted[p] = ACCEPT_DECAY * self.accepted[p] + (accepted[p] if p < min(arm.k, len(accepted)) else 0)
+        fade = DECAY ** (self.forwards - arm.last)  # by forwards elapsed: a rechecked arm's old cost fades
+        arm.rows = fade * arm.rows + max(rows, 1)
         arm.seconds = fade * arm.seconds + max(seconds, 1e-9)
         arm.measured += 1
         arm.last = self.forwards
         self.forwards += 1
+        best = self.arms[self.best]
         if i != self.best:
-            if arm.rate > self.arms[self.best].rate:
-                self.arms[self.best].explore = EXPLORE_FIRST  # the old best stays a neighbour worth rechecking
+            if self.rate(arm) > self.rate(best):
+                best.explore = EXPLORE_FIRST  # the old best stays a neighbour worth rechecking
                 self.best = i
                 arm.explore = EXPLORE_FIRST
             else:
                 arm.explore = min(EXPLORE_MAX, 4 * arm.explore)
+        else:  # the pooled acceptance moves every arm's rate: a measured neighbour may now lead
+            for n in (i - 1, i + 1):
+                if 0 <= n < len(self.arms) and self.arms[n].measured and self.rate(self.arms[n]) > self.rate(best):
+                    self.best = n
+                    break
 
     def summary(self) -> dict:
         """The decision and its inputs since the last call, for the metrics row."""
         out = {"draft_k_mean": sum(self.chosen) / len(self.chosen) if self.chosen else 0.0,
                "draft_k_best": self.arms[self.best].k}
-        out.update({f"draft_k{a.k}_row_tokens_per_s": a.rate for a in self.arms if a.measured})
+        out.update({f"draft_k{a.k}_row_tokens_per_s": self.rate(a) for a in self.arms if a.measured})
+        out["draft_acceptance"] = [round(a / d, 3) if d else 0.0 for a, d in zip(self.accepted, self.offered)]
         self.chosen = []
         return out
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "forwards": self.forwards,
-                "arms": [[a.k, a.tokens, a.seconds, a.measured, a.last, a.explore] for a in self.arms]}
+        return {"best": self.best, "forwards": self.forwards, "offered": list(self.offered),
+                "accepted": list(self.accepted),
+                "arms": [[a.k, a.rows, a.seconds, a.measured, a.last, a.explore] for a in self.arms]}
 
     def load_state_dict(self, state: dict) -> None:
         saved = {row[0]: row for row in state["arms"]}
         for a in self.arms:
             if a.k in saved:
-                _, a.tokens, a.seconds, a.measured, a.last, a.explore = saved[a.k]
+                _, a.rows, a.seconds, a.measured, a.last, a.explore = saved[a.k]
+        n = len(self.offered)
+        self.offered = (list(state.get("offered", [])) + [0.0] * n)[:n]
+        self.accepted = (list(state.get("accepted", [])) + [0.0] * n)[:n]
         self.best = min(state["best"], len(self.arms) - 1)
         self.forwards = state["forwards"]

@@ -31,6 +31,9 @@ hook and the trace-replay benchmark.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
+import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
@@ -41,6 +44,9 @@ MAX_OCCURRENCES = 64   # most recent occurrences of a key considered per lookup
 W_HISTORY, W_OWN, W_GLOBAL = 2.0, 20.0, 0.5
 RECENCY = 0.01          # extra weight per completion of recency within a prompt's history
 GLOBAL_BELOW = 4        # consult the cross-prompt history only when the best match is shorter
+SHORTER = 0.3           # draft trees: occurrences with shorter matches count, their weight times this
+                        # per token short (tuned on traces_A; 0 = the longest matches only, as single drafts)
+TREE_SMOOTH = 20.0      # draft trees: support of "none of the children" (tuned on traces_A)
 
 
 @dataclass
@@ -161,6 +167,14 @@ class NgramDrafter:
         self.cfg = cfg or DrafterConfig()
         self.histories: OrderedDict[str, _History] = OrderedDict()
         self.global_history = _History()
+        self.index_s = 0.0  # seconds spent indexing newly added completions (paid once per completion)
+
+    def _ready(self, hist: "_History | None") -> None:
+        t0 = time.perf_counter()
+        if hist is not None:
+            hist.ready()
+        self.global_history.ready()
+        self.index_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ history
 
@@ -221,15 +235,23 @@ class NgramDrafter:
         if k <= 0 or not ctx:
             return Draft([])
         hist = self.histories.get(state.key)
-        if hist is not None:
-            hist.ready()
-        self.global_history.ready()
+        self._ready(hist)
         cands = self._occurrences(ctx, hist, state)
         draft = _walk(cands, k) if cands else Draft([])
         if backoff:
             draft.backoff = [self._next_counts(ctx + draft.tokens[:i], hist, state)
                              for i in range(len(draft.tokens) + 1)]
         return draft
+
+    def propose_tree(self, state: DraftState, k: int, nodes: int, smooth: float = TREE_SMOOTH) -> Tree:
+        """A draft tree of at most `nodes` tokens, at most k deep (`grow_tree`)."""
+        ctx = state.tokens
+        if k <= 0 or nodes <= 0 or not ctx:
+            return Tree()
+        hist = self.histories.get(state.key)
+        self._ready(hist)
+        cands = self._occurrences(ctx, hist, state, shorter=SHORTER)
+        return grow_tree(cands, k, nodes, smooth) if cands else Tree()
 
     def _next_counts(self, ctx: list[int], hist: _History | None, state: DraftState) -> dict[int, float]:
         counts: dict[int, float] = defaultdict(float)
@@ -247,9 +269,10 @@ class NgramDrafter:
                 counts[own[pos]] += 1
         return counts
 
-    def _occurrences(self, ctx: list[int], hist: _History | None, state: DraftState):
+    def _occurrences(self, ctx: list[int], hist: _History | None, state: DraftState, shorter: float = 0.0):
         """[(sequence, next_pos, weight)]: the longest-matching occurrences in this prompt's
-        history and own context, plus those in the cross-prompt history."""
+        history and own context, plus those in the cross-prompt history. shorter > 0: also the
+        occurrences with shorter matches, their weight times shorter ** (tokens short)."""
         found = []  # (match_len, seq, pos, weight)
         if hist is not None:
             newest = hist.next_id - 1
@@ -261,12 +284,12 @@ class NgramDrafter:
                     found.append((_match_len(ctx, seq, pos), seq, pos, w))
         for pos in _lookup(state.index, state.unigram, ctx, own=True):
             found.append((_match_len(ctx, ctx, pos), ctx, pos, W_OWN))
-        out = _longest(found)
+        out = _longest(found, shorter)
         g = self.global_history
         if g.seqs and (not found or max(f[0] for f in found) < GLOBAL_BELOW):
             cross = [(_match_len(ctx, g.seqs[sid], pos), g.seqs[sid], pos, W_GLOBAL)
                      for sid, pos in map(_split, _lookup(g.index, g.unigram, ctx)) if pos < len(g.seqs[sid])]
-            out += _longest(cross)
+            out += _longest(cross, shorter)
         return out
 
 
@@ -285,10 +308,12 @@ def _lookup(index: dict, unigram: dict, ctx: list[int], own: bool = False) -> li
     return []
 
 
-def _longest(found: list) -> list:
+def _longest(found: list, shorter: float = 0.0) -> list:
     if not found:
         return []
     best = max(f[0] for f in found)
+    if shorter > 0:
+        return [(seq, pos, w * shorter ** (best - m)) for m, seq, pos, w in found]
     return [(seq, pos, w) for m, seq, pos, w in found if m == best]
 
 
@@ -319,3 +344,57 @@ def _walk(cands: list[tuple[list[int], int, float]], k: int) -> Draft:
         tokens.append(tok)
         live = [c for c in live if c[1] + i < len(c[0]) and c[0][c[1] + i] == tok]
     return Draft(tokens, alternatives)
+
+
+@dataclass
+class Tree:
+    """A multi-candidate draft: node i is token tokens[i] following node parents[i] (-1: the
+    context's end); parents come before their children, and siblings have distinct tokens."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+
+    def depths(self) -> list[int]:
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def walk(self, truth: list[int]) -> list[int]:
+        """The nodes a verification that samples `truth` accepts, root first."""
+        path, cur = [], -1
+        for tok in truth:
+            nxt = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == cur and t == tok), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            cur = nxt
+        return path
+
+
+def grow_tree(cands: list[tuple[list[int], int, float]], k: int, nodes: int, smooth: float) -> Tree:
+    """Best-first: the tree of at most `nodes` tokens, at most k deep, whose nodes have the highest
+    estimated probability of being reached, P(child) = P(parent) * support(child) / (support of all
+    the parent's children + smooth), support summed over the occurrences agreeing with the path."""
+    tree = Tree()
+    order = itertools.count()  # ties: first pushed first
+    heap: list = []  # candidate nodes: (-P, order, parent node, token, depth, occurrences agreeing)
+
+    def push_children(parent: int, p: float, depth: int, live) -> None:
+        votes: dict[int, float] = defaultdict(float)
+        for seq, pos, w in live:
+            if pos + depth < len(seq):
+                votes[seq[pos + depth]] += w
+        total = sum(votes.values()) + smooth
+        for tok, v in votes.items():
+            agree = [c for c in live if c[1] + depth < len(c[0]) and c[0][c[1] + depth] == tok]
+            heapq.heappush(heap, (-p * v / total, next(order), parent, tok, depth + 1, agree))
+
+    push_children(-1, 1.0, 0, cands)
+    while heap and len(tree.tokens) < nodes:
+        neg_p, _, parent, tok, depth, live = heapq.heappop(heap)
+        tree.tokens.append(tok)
+        tree.parents.append(parent)
+        if depth < k:
+            push_children(len(tree.tokens) - 1, -neg_p, depth, live)
+    return tree

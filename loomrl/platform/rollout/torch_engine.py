@@ -255,7 +255,7 @@ class TorchRolloutEngine:
                 out[i] = self._propose(states[i], n, stats, memo)
             return out
 
-        t_step = time.perf_counter()
+        t_step, index_s = time.perf_counter(), self.drafter.index_s if self.drafter else 0.0
         k_now = (control.choose() if control else k) if self.drafter else 0
         drafts = propose_all(k_now, {})
         seq_forwards = b
@@ -320,9 +320,6 @@ class TorchRolloutEngine:
                 stats.drafted_by_pos[pos] += n_drafted[pos]
                 stats.accepted_by_pos[pos] += n_accepted[pos]
             next_drafts: dict[int, Draft] = {}
-            # the row furthest behind: a batch takes as long as its last row, so its progress is the rate
-            behind = min(live, key=lambda i: len(tokens[i])) if control is not None else -1
-            behind_now = 0
             for r, i in enumerate(live):
                 ji = j_list[r]
                 new = comm_list[r][:ji + 1]
@@ -332,8 +329,6 @@ class TorchRolloutEngine:
                     new, new_logp = new[:cut], new_logp[:cut]
                 tokens[i].extend(new)
                 logps[i].extend(new_logp)
-                if i == behind:
-                    behind_now = len(new)
                 if states[i] is not None:
                     states[i].extend(new)
                 if new[-1] == model.eos_token_id or len(tokens[i]) >= params.max_new_tokens:
@@ -351,9 +346,11 @@ class TorchRolloutEngine:
                         stats.prefetched += 1
                         next_drafts[i] = prepared[i][outcome]
             if control is not None:
-                now = time.perf_counter()
-                control.observe(behind_now, now - t_step)  # this forward's lookups, forward and verification
-                t_step = now
+                # this forward's lookups, forward and verification; indexing newly finished completions
+                # is paid once whatever the draft length, so it is left out of the comparison
+                now, indexed = time.perf_counter(), self.drafter.index_s
+                control.observe(now - t_step - (indexed - index_s), n, n_accepted)
+                t_step, index_s = now, indexed
                 k_now = control.choose()
             if self.drafter:
                 drafts = propose_all(k_now, next_drafts)
