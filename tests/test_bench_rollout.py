@@ -15,9 +15,10 @@ TRACES = Path(__file__).resolve().parents[1] / "data" / "traces" / "traces_C.jso
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 
 
-def test_forced_completions_are_committed_exactly_with_and_without_drafting():
+@pytest.mark.parametrize("tree_nodes", [0, 16], ids=["single", "tree"])
+def test_forced_completions_are_committed_exactly_with_and_without_drafting(tree_nodes):
     w = B.traced_workload(TRACES, prompts=2, samples=2, tokens=24, rounds=2, shape=TINY)
-    drafted = TorchRolloutEngine(w.model, DrafterConfig(enabled=True, k=4, adaptive=False))
+    drafted = TorchRolloutEngine(w.model, DrafterConfig(enabled=True, k=4, adaptive=False, tree_nodes=tree_nodes))
     for pid, completion in w.history:
         drafted.observe(pid, completion)
     for engine in (TorchRolloutEngine(w.model), drafted):

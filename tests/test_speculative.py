@@ -8,7 +8,7 @@ import torch
 from chi_square import assert_same_per_position, tally_positions
 from loomrl.platform.recipe import DrafterConfig, ModelConfig
 from loomrl.platform.rollout.base import Prompt, SamplingParams
-from loomrl.platform.rollout.drafter import NgramDrafter, _split
+from loomrl.platform.rollout.drafter import NgramDrafter, Tree, _split, grow_tree
 from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 from loomrl.platform.trajectory.batch import Trajectory, collate
 
@@ -34,11 +34,16 @@ def warm(engine, prompts, params, rounds=2, seed=0):
             engine.observe(prompts[r.prompt_index].id, r.completion_ids)
 
 
-def test_greedy_tokens_identical_with_and_without_drafting(peaky_model, samples):
+MODES = {"single": 0, "tree": 8}  # rollout.drafter.tree_nodes: single drafts, draft trees of 8 tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_tokens_identical_with_and_without_drafting(peaky_model, samples, mode):
     prompts = text_prompts() + [Prompt(s.id, s.ids, s.media) for s in samples[:3]]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=14)
     plain = TorchRolloutEngine(peaky_model)
-    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=5, prefetch_budget=4, adaptive=False))
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=5, prefetch_budget=4, adaptive=False,
+                                                            tree_nodes=MODES[mode]))
     # seed histories with *sampled* completions so drafts are partly wrong: varied acceptance
     warm(spec, prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=14))
     a, b = plain.generate(prompts, params), spec.generate(prompts, params)
@@ -50,9 +55,10 @@ def test_greedy_tokens_identical_with_and_without_drafting(peaky_model, samples)
     assert b.tokens_per_forward > 1.0 and a.tokens_per_forward == 1.0
 
 
-def test_drafted_logprobs_equal_a_plain_forward(peaky_model):
+@pytest.mark.parametrize("mode", MODES)
+def test_drafted_logprobs_equal_a_plain_forward(peaky_model, mode):
     prompts = text_prompts(3)
-    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, adaptive=False))
+    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, adaptive=False, tree_nodes=MODES[mode]))
     params = SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=12)
     warm(spec, prompts, params)
     res = spec.generate(prompts, params, torch.Generator().manual_seed(5))
@@ -66,8 +72,9 @@ def test_drafted_logprobs_equal_a_plain_forward(peaky_model):
     torch.testing.assert_close(logp[m], mb.rollout_logp[m], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.5, 0.9)], ids=["plain", "top_p"])
-def test_sampling_distribution_unchanged_by_drafting(peaky_model, temperature, top_p):
+def test_sampling_distribution_unchanged_by_drafting(peaky_model, temperature, top_p, mode):
     """Two-sample chi-square on the token at each of the first 4 positions: 3000 samples
     with drafting vs 3000 without, fixed threshold p = 0.001 per position. `top_p`: a nucleus
     (top_p 0.9 at temperature 1.5): drafts are accepted against the truncated, renormalised
@@ -76,7 +83,7 @@ def test_sampling_distribution_unchanged_by_drafting(peaky_model, temperature, t
     params = SamplingParams(n=500, temperature=temperature, top_p=top_p, max_new_tokens=5)
     plain = TorchRolloutEngine(peaky_model)
     spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, max_history=64, max_history_tokens=10**6,
-                                                            adaptive=False))
+                                                            adaptive=False, tree_nodes=MODES[mode]))
     warm(spec, prompt, SamplingParams(n=30, temperature=temperature, top_p=top_p, max_new_tokens=5), rounds=1, seed=9)
     counts = {"plain": [{} for _ in range(4)], "spec": [{} for _ in range(4)]}
     g = torch.Generator().manual_seed(1)
@@ -97,15 +104,16 @@ def test_tokens_do_not_depend_on_the_draft_length(peaky_model, temperature, top_
     prompts = text_prompts()
     params = SamplingParams(n=6, temperature=temperature, top_p=top_p, max_new_tokens=12)
     outs, forwards = [], []
-    for cfg in (None, DrafterConfig(enabled=True, k=1, adaptive=False), DrafterConfig(enabled=True, k=4, adaptive=False),
-                DrafterConfig(enabled=True, k=4)):
+    for cfg in (None, DrafterConfig(enabled=True, k=1, adaptive=False, tree_nodes=0),
+                DrafterConfig(enabled=True, k=4, adaptive=False, tree_nodes=0), DrafterConfig(enabled=True, k=4),
+                DrafterConfig(enabled=True, k=4, adaptive=False, tree_nodes=8)):
         eng = TorchRolloutEngine(peaky_model, cfg)
         warm(eng, prompts, SamplingParams(n=6, temperature=1.0, max_new_tokens=12), seed=3)
         res = eng.generate(prompts, params, torch.Generator().manual_seed(11))
         outs.append([r.completion_ids for r in res.rollouts])
         forwards.append(res.seq_forwards)
-    assert outs[0] == outs[1] == outs[2] == outs[3]
-    assert forwards[2] < forwards[1] < forwards[0]  # k = 4 really drafted more than k = 1
+    assert outs[0] == outs[1] == outs[2] == outs[3] == outs[4]
+    assert forwards[4] < forwards[2] < forwards[1] < forwards[0]  # k = 4 drafted more than k = 1, a tree more still
 
 
 def test_trace_replay_counts_tokens_per_forward_as_worked_by_hand():
@@ -139,12 +147,51 @@ def test_trace_replay_counts_tokens_per_forward_as_worked_by_hand():
     assert summary["acceptance_by_position"] == [1.0, 1.0, 0.0]
 
 
+def test_tree_replay_counts_tokens_per_forward_as_worked_by_hand():
+    """A tree whose first-choice branch is wrong and whose second holds the next 3 tokens: each
+    forward accepts 3 + the bonus. 9 tokens: the prefill's token, then 4 + 4: 3 forwards."""
+    from loomrl.platform.rollout.bench_drafter import replay
+
+    rows = [{"round": 1, "completion_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9]}]
+
+    def make():
+        state = {"row": None, "pos": 0}
+
+        def start(row):
+            state.update(row=row["completion_ids"], pos=0)
+
+        def propose(n):
+            t = state["row"][state["pos"]:] + [0, 0, 0]
+            # node 0 (wrong) -> node 2 (wrong); node 1 = t0 -> node 3 = t1 -> node 4 = t2
+            return Tree([-5, t[0], -6, t[1], t[2]], [-1, -1, 0, 1, 3])
+
+        def commit(tokens):
+            state["pos"] += len(tokens)
+
+        return start, propose, commit, lambda row: None
+
+    tally = replay(rows, 8, make)
+    assert (tally.tokens, tally.forwards, tally.drafts, tally.accepted) == (9, 3, 2, 6)
+    assert tally.summary()["acceptance_by_position"][:4] == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_grow_tree_expands_the_most_probable_nodes_first():
+    # two earlier continuations of the context, weights 2 and 1: [5, 6, 7] and [5, 8, 9]
+    cands = [([5, 6, 7], 0, 2.0), ([5, 8, 9], 0, 1.0)]
+    full = grow_tree(cands, k=3, nodes=10, smooth=0.0)
+    assert (full.tokens, full.parents, full.depths()) == ([5, 6, 7, 8, 9], [-1, 0, 1, 0, 3], [1, 2, 3, 2, 3])
+    assert grow_tree(cands, k=3, nodes=3, smooth=0.0).tokens == [5, 6, 7]   # P: 1, 2/3, 2/3 before 1/3
+    assert grow_tree(cands, k=2, nodes=10, smooth=0.0).tokens == [5, 6, 8]  # at most k deep
+    assert full.walk([5, 8, 9, 4]) == [0, 3, 4] and full.walk([6]) == []
+
+
 def test_prefetch_and_fallback_commit_the_same_tokens(peaky_model):
     prompts = text_prompts()
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
     outs = {}
     for budget in (0, 16):
-        eng = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, prefetch_budget=budget, adaptive=False))
+        eng = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, prefetch_budget=budget, adaptive=False,
+                                                                tree_nodes=0))
         warm(eng, prompts, params, seed=2)
         res = eng.generate(prompts, params, torch.Generator().manual_seed(7))
         outs[budget] = ([r.completion_ids for r in res.rollouts], eng.last_stats)

@@ -338,6 +338,11 @@ class DrafterConfig:
     rates are logged (`draft_k_mean`, `draft_k_best`, `draft_k<k>_row_tokens_per_s`). vLLM fixes the
     draft length when it starts, so there drafting needs `adaptive: false`. false: always
     draft up to k."""
+    tree_nodes: int = ranged(16, ge=0)
+    """Built-in engine: also draft trees of up to this many tokens (k deep), several candidate
+    continuations verified in one forward (0 = single drafts only). With `adaptive` a tree is
+    one more choice beside the single drafts, taken where it measurably pays (on an accelerator
+    extra positions are nearly free; on a CPU rarely); without, every forward drafts a tree."""
     max_history: int = ranged(16, ge=1)
     """Finished completions kept per prompt (oldest evicted first)."""
     max_history_tokens: int = ranged(8192, ge=1)

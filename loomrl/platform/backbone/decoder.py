@@ -213,17 +213,24 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor,
         key_mask: torch.Tensor,
         cache: KVCache | None = None,
+        block_mask: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, KVCache]:
         """Logits [B, T, V] and the extended KV cache (empty after a checkpointed forward).
 
         position_ids: [B, T], or [3, B, T] with M-RoPE (`cfg.mrope_section`).
         key_mask: bool [B, S_past + T], True where a key is a real token (False
         for padding). Queries attend causally to real keys.
+        block_mask: bool [B, T, T], which of the new tokens each new token sees, in place of
+        causal order among them (a draft tree: each node sees its ancestors and itself).
         """
         b, t, _ = inputs_embeds.shape
         s = key_mask.shape[1]
-        causal = torch.ones(t, s, dtype=torch.bool, device=key_mask.device).tril(s - t)
-        mask = causal[None, None] & key_mask[:, None, None, :]
+        if block_mask is None:
+            causal = torch.ones(t, s, dtype=torch.bool, device=key_mask.device).tril(s - t)[None]
+        else:
+            past = torch.ones(b, t, s - t, dtype=torch.bool, device=key_mask.device)
+            causal = torch.cat([past, block_mask], dim=2)
+        mask = causal[:, None] & key_mask[:, None, None, :]
         # A padded query row with no visible key would give NaN; let it see itself.
         pos_q = torch.arange(t, device=mask.device)[:, None] + (s - t)
         mask = mask | (torch.arange(s, device=mask.device)[None, :] == pos_q)[None, None]

@@ -392,16 +392,22 @@ class VLM(nn.Module):
 
     def forward_embeds(self, embeds: torch.Tensor, attention_mask: torch.Tensor,
                        cache: KVCache | None = None, positions: Optional[torch.Tensor] = None,
-                       rope_deltas: Optional[torch.Tensor] = None):
+                       rope_deltas: Optional[torch.Tensor] = None, tree: Optional[tuple] = None):
         """Logits for embeddings. attention_mask covers past + new tokens. positions: from
         `position_ids` (whole sequences); otherwise each new token's index among its row's
-        real tokens, plus rope_deltas [B] (`position_ids`' offset, for M-RoPE decoding)."""
-        if positions is None:
-            t = embeds.shape[1]
+        real tokens, plus rope_deltas [B] (`position_ids`' offset, for M-RoPE decoding).
+        tree: (depth [B, T], block_mask [B, T, T]) for a draft tree appended after the cache: new
+        token i sits at the past's real tokens + depth[i] and sees the new tokens block_mask[i]."""
+        t = embeds.shape[1]
+        block_mask = None
+        if tree is not None:
+            depth, block_mask = tree
+            positions = attention_mask[:, :-t].long().sum(-1, keepdim=True) + depth
+        elif positions is None:
             positions = (attention_mask.long().cumsum(-1)[:, -t:] - 1).clamp(min=0)
-            if rope_deltas is not None:
-                positions = positions + rope_deltas[:, None]
-        return self.language_model(embeds, positions, attention_mask.bool(), cache)
+        if positions.dim() == 2 and rope_deltas is not None:
+            positions = positions + rope_deltas[:, None]
+        return self.language_model(embeds, positions, attention_mask.bool(), cache, block_mask)
 
     def sequence_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           row_media: list[list[Medium]], temperature: float = 1.0,

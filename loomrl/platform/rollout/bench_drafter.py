@@ -7,6 +7,11 @@ continuation, committed = accepted + 1, capped at the end. tokens_per_forward
 = completion tokens / forwards over rounds >= 1; every line (round 0 too) is
 replayed in file order, and each finished completion enters the histories.
 
+A draft tree (NgramRL's `ngramrl_tree<N>`, at most N tokens, k deep) is verified
+the same way along the recorded continuation: accepted = the longest path from
+the root whose tokens equal it. A tree of N tokens costs the target N + 1
+positions in that forward (a single draft of k: k + 1); say so beside its figure.
+
 Drafters: NgramRL (loomrl's drafter object, the one the rollout engines use),
 prompt lookup as vLLM's `ngram` method does it (prompt + own output, last 3..1
 tokens), and SuffixDecoding (arctic-inference, driven like vLLM's `suffix`
@@ -22,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from loomrl.platform.recipe import DrafterConfig
-from loomrl.platform.rollout.drafter import NgramDrafter
+from loomrl.platform.rollout.drafter import NgramDrafter, Tree
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
 
 PREFETCH_BUDGETS = (4, 8, 16)
@@ -85,9 +90,14 @@ def replay(rows: list[dict], k: int, make) -> Tally:
         forwards = 1
         while pos < len(comp):
             t0 = time.perf_counter()
-            draft = propose(min(k, len(comp) - pos))[:k]
+            draft = propose(min(k, len(comp) - pos))
             dt = time.perf_counter() - t0
-            j = _verify(draft, comp[pos:])
+            if isinstance(draft, Tree):  # accepted: the path the recorded continuation takes
+                j = len(draft.walk(comp[pos:pos + k]))
+                draft = [0] * max(draft.depths(), default=0)  # (its depth, for the per-position counts)
+            else:
+                draft = draft[:k]
+                j = _verify(draft, comp[pos:])
             n = min(j + 1, len(comp) - pos)
             commit(comp[pos:pos + n])
             pos += n
@@ -144,6 +154,25 @@ def ngramrl_factory(cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: 
                 coverage_out.update({str(b): p.coverage for b, p in prefetchers.items()})
 
         return start, propose, commit, finish
+    return make
+
+
+def tree_factory(cfg: DrafterConfig, nodes: int):
+    """NgramRL's draft trees (`NgramDrafter.propose_tree`) of up to `nodes` tokens."""
+    def make():
+        drafter = NgramDrafter(cfg)
+        st = {}
+
+        def start(row):
+            st["state"] = drafter.start(row["prompt_id"], row["prompt_ids"])
+
+        def commit(tokens):
+            st["state"].extend(tokens)
+
+        def finish(row):
+            drafter.observe(row["prompt_id"], row["completion_ids"])
+
+        return start, lambda k: drafter.propose_tree(st["state"], k, nodes), commit, finish
     return make
 
 
@@ -205,13 +234,14 @@ def suffix_factory(max_tree_depth: int = 24, max_spec_factor: float = 1.0, min_t
     return make
 
 
-def run_bench(path: str, k: int, cfg: DrafterConfig | None = None) -> dict:
+def run_bench(path: str, k: int, cfg: DrafterConfig | None = None, tree_nodes: int = 16) -> dict:
     rows = load_traces(path)
     cfg = cfg or DrafterConfig(max_prompts=1 << 20)
     coverage: dict = {}
     # prefetch coverage in its own pass, so NgramRL's lookup times are plain lookups
     replay(rows, k, ngramrl_factory(cfg, coverage_out=coverage))
     results = {"ngramrl": replay(rows, k, ngramrl_factory(cfg, budgets=())).summary(),
+               f"ngramrl_tree{tree_nodes}": replay(rows, k, tree_factory(cfg, tree_nodes)).summary(),
                "prompt_lookup": replay(rows, k, prompt_lookup_factory()).summary()}
     try:
         results["suffix"] = replay(rows, k, suffix_factory()).summary()
@@ -228,11 +258,13 @@ def main(argv: list[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", required=True, nargs="+", help="trace files (gzip JSONL)")
     ap.add_argument("--k", type=int, default=8, help="most draft tokens per forward")
+    ap.add_argument("--tree-nodes", type=int, default=16,
+                    help="NgramRL's draft trees: most tokens per tree (rollout.drafter.tree_nodes)")
     ap.add_argument("--json", action="store_true", help="end with one JSON object per trace file")
     args = ap.parse_args(argv)
     for path in args.traces:
         try:
-            out = run_bench(path, args.k)
+            out = run_bench(path, args.k, tree_nodes=args.tree_nodes)
         except (OSError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -243,6 +275,11 @@ def main(argv: list[str]) -> int:
             print(f"{name:<15}{s['tokens_per_forward']:>15.3f}{s['mean_accepted']:>15.3f}"
                   f"{s['lookup_us_p50']:>15.1f}{s['lookup_us_p99']:>15.1f}"
                   + ("" if name == "ngramrl" else f"   ngramrl x{base / s['tokens_per_forward']:.2f}"))
+        suffix = out["drafters"].get("suffix")
+        if suffix:
+            print("vs SuffixDecoding: " + ", ".join(
+                f"{name} x{s['tokens_per_forward'] / suffix['tokens_per_forward']:.2f}"
+                for name, s in out["drafters"].items() if name.startswith("ngramrl")))
         print("prefetch coverage: " + ", ".join(f"budget {b}: {c:.1%}" for b, c in out["prefetch_coverage"].items()))
         if args.json:
             print(json.dumps({"k": out["k"], "traces": path, "drafters": out["drafters"],

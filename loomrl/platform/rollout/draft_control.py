@@ -7,7 +7,8 @@ memory-bound, so extra positions are nearly free; the demo's tiny model at 256 r
 per-row lookups in Python, so even well-accepted drafts can lose. No fixed k is right everywhere,
 so the engine measures instead of guessing, one forward at a time:
 
-- the arms are draft lengths k in {0 (plain decoding), 1, 2, 4, ..., K};
+- the arms are draft lengths k in {0 (plain decoding), 1, 2, 4, ..., K}, and with
+  `rollout.drafter.tree_nodes` one more after K: a draft tree of that many tokens, K deep;
 - an arm's *cost* is measured: seconds per row of its forwards (the lookups that prepared the
   drafts, the forward and the verification), a ratio of sums decayed by 0.95 per forward since,
   so one slow forward moves it little and an arm measured long ago counts by its newest forwards;
@@ -16,6 +17,7 @@ so the engine measures instead of guessing, one forward at a time:
   draft position i, decayed by 0.99 per forward: a row with no draft or a shorter one counts as
   not accepted), and an arm drafting k tokens commits 1 + a_0 + ... + a_(k-1) tokens per row
   (a position never offered yet counts as its predecessor's rate: optimistic, so it is tried);
+  a tree's gain is its own forwards' committed tokens per row, decayed as its cost;
 - its *rate* is gain / cost, committed tokens per second per row. The next forward runs the arm
   with the best rate (plain decoding at first, so a job starts no slower than without a drafter).
   An arm next to the best one (one step shorter or longer) that was never measured is tried at
@@ -35,6 +37,7 @@ every measured arm's rate (`draft_k<k>_row_tokens_per_s`) and the acceptance by 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 EXPLORE_FIRST, EXPLORE_MAX = 32, 256
 DECAY = 0.95         # an arm's cost: its seconds over its rows, both decayed by this per forward elapsed
@@ -50,11 +53,18 @@ def arms(k_max: int) -> list[int]:
     return out + [k_max]
 
 
+class Choice(NamedTuple):
+    k: int          # draft depth: tokens per draft (0: plain decoding)
+    nodes: int = 0  # > 0: a draft tree of at most this many tokens, at most k deep
+
+
 @dataclass
 class _Arm:
     k: int
+    nodes: int = 0
     rows: float = 0.0       # decayed sums over this arm's forwards: its cost is seconds per row
     seconds: float = 0.0
+    tokens: float = 0.0     # ... and committed tokens (a tree arm's own gain: trees are not pooled)
     measured: int = 0       # forwards measured
     last: int = -1          # forward index of the last measurement
     explore: int = EXPLORE_FIRST
@@ -67,16 +77,16 @@ class _Arm:
 class DraftController:
     """Chooses each forward's draft length from measured rates (module docstring)."""
 
-    def __init__(self, k_max: int):
-        self.arms = [_Arm(k) for k in arms(k_max)]
+    def __init__(self, k_max: int, tree_nodes: int = 0):
+        self.arms = [_Arm(k) for k in arms(k_max)] + ([_Arm(k_max, tree_nodes)] if tree_nodes > 0 else [])
         self.offered = [0.0] * k_max    # decayed: rows allowed to draft position i
         self.accepted = [0.0] * k_max   # ... that had positions 0..i accepted
         self.best = 0           # index into arms
         self.forwards = 0
-        self.chosen: list[int] = []   # k of each forward since the last `summary`
+        self.chosen: list[Choice] = []   # each forward's draft since the last `summary`
 
-    def choose(self) -> int:
-        """The draft length for the next forward."""
+    def choose(self) -> Choice:
+        """The draft for the next forward."""
         pick = self.best
         for i in (self.best + 1, self.best - 1):
             if 0 <= i < len(self.arms) and self.arms[self.best].measured:
@@ -85,11 +95,14 @@ class DraftController:
                     pick = i
                     break
         self._pending = pick
-        self.chosen.append(self.arms[pick].k)
-        return self.arms[pick].k
+        self.chosen.append(Choice(self.arms[pick].k, self.arms[pick].nodes))
+        return self.chosen[-1]
 
-    def gain(self, k: int) -> float:
-        """Expected tokens committed per row by a forward drafting k tokens."""
+    def gain(self, k: int, nodes: int = 0) -> float:
+        """Expected tokens committed per row by a forward drafting k tokens (a tree: as measured)."""
+        if nodes:
+            arm = next(a for a in self.arms if a.nodes == nodes)
+            return arm.tokens / arm.rows if arm.rows else 1.0 + self.gain(k)  # untried: optimistic
         total, rate = 1.0, 1.0
         for i in range(k):
             if self.offered[i] > 0:
@@ -98,17 +111,18 @@ class DraftController:
         return total
 
     def rate(self, arm: _Arm) -> float:
-        return self.gain(arm.k) / arm.cost if arm.cost > 0 else 0.0
+        return self.gain(arm.k, arm.nodes) / arm.cost if arm.cost > 0 else 0.0
 
-    def observe(self, seconds: float, rows: int, accepted: list[int]) -> None:
+    def observe(self, seconds: float, rows: int, accepted: list[int], tokens: int = 0) -> None:
         """The forward chosen last took `seconds` (lookups, forward, verification) for `rows` rows,
-        accepted[i] of which had draft positions 0..i accepted."""
+        accepted[i] of which had draft positions 0..i accepted, and committed `tokens` in all."""
         i = self._pending
         arm = self.arms[i]
-        for p in range(len(self.offered)):
+        fade = DECAY ** (self.forwards - arm.last)  # by forwards elapsed: a rechecked arm's old cost fades
+        arm.tokens = fade * arm.tokens + tokens
+        for p in range(len(self.offered) if not arm.nodes else 0):
             self.offered[p] = ACCEPT_DECAY * self.offered[p] + (rows if p < arm.k else 0)
             self.accepted[p] = ACCEPT_DECAY * self.accepted[p] + (accepted[p] if p < min(arm.k, len(accepted)) else 0)
-        fade = DECAY ** (self.forwards - arm.last)  # by forwards elapsed: a rechecked arm's old cost fades
         arm.rows = fade * arm.rows + max(rows, 1)
         arm.seconds = fade * arm.seconds + max(seconds, 1e-9)
         arm.measured += 1
@@ -130,9 +144,12 @@ class DraftController:
 
     def summary(self) -> dict:
         """The decision and its inputs since the last call, for the metrics row."""
-        out = {"draft_k_mean": sum(self.chosen) / len(self.chosen) if self.chosen else 0.0,
-               "draft_k_best": self.arms[self.best].k}
-        out.update({f"draft_k{a.k}_row_tokens_per_s": self.rate(a) for a in self.arms if a.measured})
+        n = max(1, len(self.chosen))
+        out = {"draft_k_mean": sum(c.k for c in self.chosen) / n, "draft_k_best": self.arms[self.best].k}
+        if self.arms[-1].nodes:
+            out["draft_tree_share"] = sum(c.nodes > 0 for c in self.chosen) / n
+        out.update({(f"draft_tree{a.nodes}" if a.nodes else f"draft_k{a.k}") + "_row_tokens_per_s": self.rate(a)
+                    for a in self.arms if a.measured})
         out["draft_acceptance"] = [round(a / d, 3) if d else 0.0 for a, d in zip(self.accepted, self.offered)]
         self.chosen = []
         return out
@@ -140,13 +157,14 @@ class DraftController:
     def state_dict(self) -> dict:
         return {"best": self.best, "forwards": self.forwards, "offered": list(self.offered),
                 "accepted": list(self.accepted),
-                "arms": [[a.k, a.rows, a.seconds, a.measured, a.last, a.explore] for a in self.arms]}
+                "arms": [[a.k, a.nodes, a.rows, a.seconds, a.tokens, a.measured, a.last, a.explore]
+                         for a in self.arms]}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = {row[0]: row for row in state["arms"]}
+        saved = {(row[0], row[1]): row for row in state["arms"]}
         for a in self.arms:
-            if a.k in saved:
-                _, a.rows, a.seconds, a.measured, a.last, a.explore = saved[a.k]
+            if (a.k, a.nodes) in saved:
+                _, _, a.rows, a.seconds, a.tokens, a.measured, a.last, a.explore = saved[(a.k, a.nodes)]
         n = len(self.offered)
         self.offered = (list(state.get("offered", [])) + [0.0] * n)[:n]
         self.accepted = (list(state.get("accepted", [])) + [0.0] * n)[:n]

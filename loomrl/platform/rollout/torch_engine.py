@@ -37,8 +37,8 @@ from loomrl.platform.backbone.vlm import VLM
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.recipe import DrafterConfig
 from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
-from loomrl.platform.rollout.draft_control import DraftController
-from loomrl.platform.rollout.drafter import Draft, NgramDrafter
+from loomrl.platform.rollout.draft_control import Choice, DraftController
+from loomrl.platform.rollout.drafter import Draft, NgramDrafter, Tree
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
 
 
@@ -87,17 +87,21 @@ def position_keyed_sample(probs: torch.Tensor, row_seeds: torch.Tensor, position
     return token.clamp(max=probs.shape[-1] - 1)
 
 
-def drop_rejected(mask: torch.Tensor, cache, col0: int, kept: torch.Tensor):
-    """The mask and KV cache after a verifying forward that appended columns col0.. : row i keeps the
-    first kept[i] of them (its last token and its accepted drafts), moved to the block's right end
-    (a masked gap before them is harmless: positions count real tokens only), and the block's
-    leading columns that no row keeps are dropped. Without this, every rejected draft token would
-    stay in the cache, masked, and the cache (and each forward's attention over it) would grow by
-    the full draft width per forward instead of by the tokens accepted."""
+def drop_rejected(mask: torch.Tensor, cache, col0: int, kept: torch.Tensor,
+                  path: Optional[torch.Tensor] = None):
+    """The mask and KV cache after a verifying forward that appended columns col0.. : row i keeps
+    kept[i] of them, the first ones, or with `path` [B, >= kept] the columns path[i, :kept[i]] (its
+    last token and its accepted drafts, a path through a draft tree), moved to the block's right
+    end in that order (a masked gap before them is harmless: positions count real tokens only), and
+    the block's leading columns that no row keeps are dropped. Without this, every rejected draft
+    token would stay in the cache, masked, and the cache (and each forward's attention over it)
+    would grow by the full draft width per forward instead of by the tokens accepted."""
     keep = int(kept.max())
     src = torch.arange(keep, device=mask.device)[None, :] - keep + kept[:, None]  # [B, keep]; < 0: a gap
     hole = src < 0
     src = src.clamp(min=0)
+    if path is not None:
+        src = path.gather(1, src)
     block = mask[:, col0:].gather(1, src).masked_fill(hole, 0)
     new_mask = torch.cat([mask[:, :col0], block], dim=1)
     idx = src[:, None, :, None]
@@ -107,6 +111,17 @@ def drop_rejected(mask: torch.Tensor, cache, col0: int, kept: torch.Tensor):
         new_cache.append((torch.cat([k[:, :, :col0], k[:, :, col0:].gather(2, i)], dim=2),
                           torch.cat([v[:, :, :col0], v[:, :, col0:].gather(2, i)], dim=2)))
     return new_mask, new_cache
+
+
+def tree_mask(parent: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """bool [B, W, W]: column a sees column b iff b is a or one of its ancestors (parent [B, W]: each
+    column's parent column, a root or padding column its own; depth [B, W])."""
+    b, w = parent.shape
+    eye = torch.eye(w, dtype=torch.bool, device=parent.device).expand(b, w, w)
+    sees = eye | torch.zeros_like(eye).scatter_(2, parent[..., None], True)
+    for _ in range(max(1, int(depth.max())).bit_length()):  # closure by squaring: paths of 2, 4, ... steps
+        sees = sees | (sees.float() @ sees.float() > 0)
+    return sees
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device = torch.device("cpu")
@@ -149,21 +164,23 @@ class TorchRolloutEngine:
         self.prefetcher = FanoutPrefetcher(self.drafter_cfg.prefetch_budget) if self.drafter_cfg else None
         self._pool = ThreadPoolExecutor(1) if self.prefetcher and self.prefetcher.budget > 0 else None
         # rollout.drafter.adaptive: each forward's draft length chosen by measured rate (draft_control.py)
-        self.control = (DraftController(self.drafter_cfg.k) if self.drafter_cfg and self.drafter_cfg.adaptive
-                        else None)
+        self.tree_nodes = self.drafter_cfg.tree_nodes if self.drafter_cfg else 0
+        self.control = (DraftController(self.drafter_cfg.k, self.tree_nodes)
+                        if self.drafter_cfg and self.drafter_cfg.adaptive else None)
         self.last_stats = DraftStats()
         self.spec_metrics: dict = {}
 
     # ------------------------------------------------------------------ drafting
 
-    def _propose(self, state, k: int, stats: DraftStats, memo: dict) -> Draft:
+    def _propose(self, state, k: int, nodes: int, stats: DraftStats, memo: dict) -> Draft | Tree:
         # Sequences of one prompt often share their whole context (n samples start alike):
-        # the drafter is deterministic in (prompt, context, k), so draft once for them.
+        # the drafter is deterministic in (prompt, context, k, nodes), so draft once for them.
         t0 = time.perf_counter()
-        key = (state.key, k, tuple(state.tokens))
+        key = (state.key, k, nodes, tuple(state.tokens))
         d = memo.get(key)
         if d is None:
-            d = memo[key] = self.drafter.propose(state, k, backoff=self._pool is not None)
+            d = memo[key] = (self.drafter.propose_tree(state, k, nodes) if nodes
+                             else self.drafter.propose(state, k, backoff=self._pool is not None))
         stats.lookup_s += time.perf_counter() - t0
         stats.lookups += 1
         return d
@@ -236,28 +253,30 @@ class TorchRolloutEngine:
         # tokens + 1), so a row whose drafts keep failing costs the forward few extra positions
         cap = [k] * b
 
-        def propose_all(k_now: int, ready: dict[int, Draft]) -> dict[int, Draft]:
-            """Each live row's draft of up to k_now tokens: prefetched (`ready`) or looked up."""
-            out: dict[int, Draft] = {}
+        def propose_all(k_now: int, nodes_now: int, ready: dict[int, Draft]) -> dict:
+            """Each live row's draft of up to k_now tokens (a Draft), or with nodes_now > 0 its draft
+            tree of up to nodes_now tokens k_now deep (a Tree): prefetched (`ready`) or looked up."""
+            out: dict = {}
             memo: dict = {}
             if k_now == 0:  # plain decoding: no lookups
                 return out
             for i in range(b):
                 if done[i]:
                     continue
-                n = min(k_now, cap[i], params.max_new_tokens - 1 - len(tokens[i]))
-                if i in ready:  # the drafter is deterministic: a shorter draft is a prefix of a longer one
+                left = params.max_new_tokens - 1 - len(tokens[i])
+                n = min(k_now, left) if nodes_now else min(k_now, cap[i], left)
+                if i in ready and not nodes_now:  # deterministic drafter: a shorter draft is a prefix of a longer one
                     d = ready[i]
                     out[i] = Draft(d.tokens[:n], d.alternatives[:n + 1], d.backoff[:n + 1])
                     continue
                 if states[i] is None:
                     states[i] = self.drafter.start(prompts[rows[i][0]].id, prompts[rows[i][0]].ids + tokens[i])
-                out[i] = self._propose(states[i], n, stats, memo)
+                out[i] = self._propose(states[i], n, nodes_now, stats, memo)
             return out
 
         t_step, index_s = time.perf_counter(), self.drafter.index_s if self.drafter else 0.0
-        k_now = (control.choose() if control else k) if self.drafter else 0
-        drafts = propose_all(k_now, {})
+        arm = (control.choose() if control else Choice(k, self.tree_nodes)) if self.drafter else Choice(0, 0)
+        drafts = propose_all(arm.k, arm.nodes, {})
         seq_forwards = b
         live = list(range(b))  # the rows in the batch tensors (mask, cache, seeds), in order
         seeds = row_seeds
@@ -272,54 +291,85 @@ class TorchRolloutEngine:
                 live = [live[r] for r in still]
             n = len(live)
             seq_forwards += n
+            tree = arm.nodes > 0
             width = 1 + max((len(drafts[i].tokens) for i in live if i in drafts), default=0)
+            # column 0 is the row's last token; column c > 0 is draft token c - 1, whose parent column is
+            # parent[c] and which sits depth[c] positions after column 0 (a single draft: c - 1 and c)
             step_ids = torch.full((n, width), model.pad_token_id, dtype=torch.long)
             step_mask = torch.zeros((n, width), dtype=torch.long)
-            draft = torch.full((n, width - 1), -1, dtype=torch.long)
+            draft = torch.full((n, width), -1, dtype=torch.long)
+            parent = torch.arange(width).repeat(n, 1)  # padding columns: their own parent, depth 0
+            depth = torch.zeros((n, width), dtype=torch.long)
             counts = torch.tensor([[len(tokens[i])] for i in live], dtype=torch.long)  # completion tokens so far
             for r, i in enumerate(live):
-                d = drafts[i].tokens if i in drafts else []
-                step_ids[r, :1 + len(d)] = torch.tensor([tokens[i][-1]] + d)
-                step_mask[r, :1 + len(d)] = 1
-                draft[r, :len(d)] = torch.tensor(d, dtype=torch.long)
-            # the host-built step (ids, mask, drafts, positions) goes to the device in one copy
-            step = to_device(torch.cat([step_ids, step_mask, draft, counts], dim=1), dev)
-            step_ids, step_mask, draft, counts = step.split([width, width, width - 1, 1], dim=1)
+                d = drafts[i] if i in drafts else Tree()
+                m = len(d.tokens)
+                step_ids[r, :1 + m] = torch.tensor([tokens[i][-1]] + d.tokens)
+                step_mask[r, :1 + m] = 1
+                draft[r, 1:1 + m] = torch.tensor(d.tokens, dtype=torch.long)
+                if tree:
+                    parent[r, 1:1 + m] = torch.tensor(d.parents, dtype=torch.long) + 1
+                    depth[r, 1:1 + m] = torch.tensor(d.depths(), dtype=torch.long)
+                else:
+                    parent[r, 1:1 + m] = torch.arange(m)
+                    depth[r, 1:1 + m] = torch.arange(1, m + 1)
+            # the host-built step goes to the device in one copy
+            step = to_device(torch.cat([step_ids, step_mask, draft, parent, depth, counts], dim=1), dev)
+            step_ids, step_mask, draft, parent, depth, counts = step.split([width] * 5 + [1], dim=1)
             mask = torch.cat([mask, step_mask], dim=1)
             col0 = mask.shape[1] - width
-            future = self._pool.submit(self._prefetch, states, dict(drafts), k) if self._pool and drafts else None
+            future = (self._pool.submit(self._prefetch, states, dict(drafts), k)
+                      if self._pool and drafts and not tree else None)
             logits, cache = model.forward_embeds(model.language_model.embed(step_ids), mask, cache,
-                                                 rope_deltas=rope_deltas)
+                                                 rope_deltas=rope_deltas,
+                                                 tree=(depth, tree_mask(parent, depth)) if tree else None)
             forwards += 1
             logp = model.token_logprobs(logits, report_t)                       # [B, W, V]
             probs = target_probs(logp, params.temperature, params.top_p)
             if force is not None:
-                probs = point_mass(probs, counts + torch.arange(width, device=dev)[None])
+                probs = point_mass(probs, counts + depth)
             prepared = future.result() if future is not None else {}
-            # Verify every row at once: accepted length j, then the bonus token.
-            valid = draft >= 0
-            # a draft token is accepted iff it is its position's own sample
-            committed = position_keyed_sample(probs, seeds, counts + torch.arange(width, device=dev)[None])
-            accept = (committed[:, :-1] == draft) & valid
-            j = accept.long().cumprod(dim=1).sum(dim=1)                          # [B]; valid up to j
-            committed_logp = logp.gather(-1, committed[..., None]).squeeze(-1)
+            # Verify every row at once: each column's own sample (the token at its position, given its
+            # ancestors) decides which child, if any, is accepted next: the accepted columns form a
+            # path from column 0, its length j is the accepted drafts, and the sample at its end is
+            # the bonus token.
+            sample = position_keyed_sample(probs, seeds, counts + depth)
+            sample_logp = logp.gather(-1, sample[..., None]).squeeze(-1)
+            if tree:
+                accepted = torch.zeros((n, width), dtype=torch.bool, device=dev)
+                accepted[:, 0] = True
+                for level in range(1, int(depth.max()) + 1):
+                    accepted |= ((depth == level) & (draft == sample.gather(1, parent))
+                                 & accepted.gather(1, parent))
+                j = (depth * accepted).amax(dim=1)                               # [B]
+                path = torch.zeros((n, width + 1), dtype=torch.long, device=dev)  # column at each depth
+                path.scatter_(1, torch.where(accepted, depth, width),
+                              torch.arange(width, device=dev).expand(n, width))
+                path = path[:, :width]
+            else:  # a single draft: columns in order, accepted up to the first mismatch
+                accept = (sample[:, :-1] == draft[:, 1:]) & (draft[:, 1:] >= 0)
+                j = accept.long().cumprod(dim=1).sum(dim=1)
+                path = torch.arange(width, device=dev).expand(n, width)
+            committed, committed_logp = sample.gather(1, path), sample_logp.gather(1, path)
             if width > 1:  # roll back: the rejected draft columns leave the KV cache and the mask
-                mask, cache = drop_rejected(mask, cache, col0, 1 + j)
+                mask, cache = drop_rejected(mask, cache, col0, 1 + j, path)
             # what the host needs of this forward, in one copy: per row j and the committed
             # tokens with their log-probs, per draft position the drafted and accepted counts
-            n_drafted = valid.sum(dim=0)
-            n_accepted = accept.long().cumprod(dim=1).sum(dim=0)
+            levels = torch.arange(1, k + 1, device=dev)[None] if k else torch.zeros((1, 0), device=dev)
+            n_drafted = (depth.amax(dim=1)[:, None] >= levels).sum(dim=0)
+            n_accepted = (j[:, None] >= levels).sum(dim=0)
             host = to_host(torch.cat([j[:, None].double(), committed.double(), committed_logp.double(),
                                       torch.cat([n_drafted, n_accepted]).double()[None].expand(n, -1)], dim=1))
             j_list = host[:, 0].long().tolist()
             comm_list = host[:, 1:1 + width].long().tolist()
             comm_logp = host[:, 1 + width:1 + 2 * width].tolist()
-            n_drafted = host[0, 1 + 2 * width:1 + 2 * width + width - 1].long().tolist()
-            n_accepted = host[0, 1 + 2 * width + width - 1:].long().tolist()
-            for pos in range(width - 1):
+            n_drafted = host[0, 1 + 2 * width:1 + 2 * width + k].long().tolist()
+            n_accepted = host[0, 1 + 2 * width + k:].long().tolist()
+            for pos in range(k):
                 stats.drafted_by_pos[pos] += n_drafted[pos]
                 stats.accepted_by_pos[pos] += n_accepted[pos]
             next_drafts: dict[int, Draft] = {}
+            committed_now = 0
             for r, i in enumerate(live):
                 ji = j_list[r]
                 new = comm_list[r][:ji + 1]
@@ -329,12 +379,13 @@ class TorchRolloutEngine:
                     new, new_logp = new[:cut], new_logp[:cut]
                 tokens[i].extend(new)
                 logps[i].extend(new_logp)
+                committed_now += len(new)
                 if states[i] is not None:
                     states[i].extend(new)
                 if new[-1] == model.eos_token_id or len(tokens[i]) >= params.max_new_tokens:
                     done[i] = True
                     continue
-                if i in drafts:  # (drafts exist only with a drafter)
+                if i in drafts and not tree:  # (drafts exist only with a drafter)
                     n_d = len(drafts[i].tokens)
                     if n_d:
                         cap[i] = 2 * (ji + 1)
@@ -349,11 +400,11 @@ class TorchRolloutEngine:
                 # this forward's lookups, forward and verification; indexing newly finished completions
                 # is paid once whatever the draft length, so it is left out of the comparison
                 now, indexed = time.perf_counter(), self.drafter.index_s
-                control.observe(now - t_step - (indexed - index_s), n, n_accepted)
+                control.observe(now - t_step - (indexed - index_s), n, n_accepted, committed_now)
                 t_step, index_s = now, indexed
-                k_now = control.choose()
+                arm = control.choose()
             if self.drafter:
-                drafts = propose_all(k_now, next_drafts)
+                drafts = propose_all(arm.k, arm.nodes, next_drafts)
         model.train(was_training)
         self.last_stats = stats
         self.spec_metrics = control.summary() if control is not None else {}
