@@ -63,3 +63,15 @@ def test_state_round_trip():
     b = DraftController(8)
     b.load_state_dict(a.state_dict())
     assert b.choose() == a.choose() and b.state_dict() == a.state_dict()
+
+
+def test_a_tried_arm_runs_until_it_has_seen_16_rows():
+    """A batch of 4 rows: one forward says little (4 rows that all rejected is no rarity), so a tried
+    arm keeps going for 4 forwards before it is judged."""
+    c = DraftController(8)
+    chosen = []
+    for _ in range(12):
+        k = c.choose().k
+        chosen.append(k)
+        c.observe(MEMORY_BOUND[k] * 4, 4, [round(4 * 0.8 ** (p + 1)) for p in range(k)])
+    assert chosen[:9] == [0, 1, 1, 1, 1, 2, 2, 2, 2]

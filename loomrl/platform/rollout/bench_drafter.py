@@ -30,7 +30,8 @@ from loomrl.platform.recipe import DrafterConfig
 from loomrl.platform.rollout.drafter import NgramDrafter, Tree
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
 
-PREFETCH_BUDGETS = (4, 8, 16)
+ALL = 1 << 30  # a budget that prepares every outcome the prefetcher can name: its coverage ceiling
+PREFETCH_BUDGETS = (4, 8, 16, ALL)
 
 
 def load_traces(path: str) -> list[dict]:
@@ -151,7 +152,7 @@ def ngramrl_factory(cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: 
         def finish(row):
             drafter.observe(row["prompt_id"], row["completion_ids"])
             if coverage_out is not None:
-                coverage_out.update({str(b): p.coverage for b, p in prefetchers.items()})
+                coverage_out.update({("all" if b == ALL else str(b)): p.coverage for b, p in prefetchers.items()})
 
         return start, propose, commit, finish
     return make
@@ -274,13 +275,14 @@ def main(argv: list[str]) -> int:
         for name, s in out["drafters"].items():
             print(f"{name:<15}{s['tokens_per_forward']:>15.3f}{s['mean_accepted']:>15.3f}"
                   f"{s['lookup_us_p50']:>15.1f}{s['lookup_us_p99']:>15.1f}"
-                  + ("" if name == "ngramrl" else f"   ngramrl x{base / s['tokens_per_forward']:.2f}"))
+                  + ("" if name.startswith("ngramrl") else f"   ngramrl x{base / s['tokens_per_forward']:.2f}"))
         suffix = out["drafters"].get("suffix")
         if suffix:
             print("vs SuffixDecoding: " + ", ".join(
                 f"{name} x{s['tokens_per_forward'] / suffix['tokens_per_forward']:.2f}"
                 for name, s in out["drafters"].items() if name.startswith("ngramrl")))
-        print("prefetch coverage: " + ", ".join(f"budget {b}: {c:.1%}" for b, c in out["prefetch_coverage"].items()))
+        print("prefetch coverage: " + ", ".join(f"budget {b}: {c:.1%}" for b, c in out["prefetch_coverage"].items())
+              + "  (all: every outcome the prefetcher can name, the ceiling of any budget)")
         if args.json:
             print(json.dumps({"k": out["k"], "traces": path, "drafters": out["drafters"],
                               "prefetch_coverage": out["prefetch_coverage"]}))

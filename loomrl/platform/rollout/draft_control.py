@@ -22,10 +22,12 @@ so the engine measures instead of guessing, one forward at a time:
   with the best rate (plain decoding at first, so a job starts no slower than without a drafter).
   An arm next to the best one (one step shorter or longer) that was never measured is tried at
   once, so a run where drafting pays climbs to its best k in a few forwards; one that was measured
-  is tried again once its measurement is `explore` forwards old. `explore` starts at 32 forwards
-  and quadruples, to at most 256, each time the retried arm loses again, so an arm that does not
-  pay gets at most one forward in 32, and in steady state one in 256 (a recheck where lookups
-  dominate, the demo's 256 rows, costs about two plain forwards).
+  is tried again once its measurement is `explore` forwards old. A tried arm runs until it has
+  served 16 rows (one forward of a large batch, four of a batch of 4), so one unlucky forward of a
+  small batch does not rule it out. `explore` starts at 32 forwards and quadruples, to at most 256,
+  each time the retried arm loses again, so an arm that does not pay gets at most one probe in 32
+  forwards, and in steady state one in 256 (a recheck where lookups dominate, the demo's 256 rows,
+  costs about two plain forwards).
 
 Pooling the acceptance over arms is what makes the choice stable: a forward's committed tokens
 vary a lot from row to row, its duration little, so an arm's rate is not at the mercy of a few
@@ -42,6 +44,7 @@ from typing import NamedTuple
 EXPLORE_FIRST, EXPLORE_MAX = 32, 256
 DECAY = 0.95         # an arm's cost: its seconds over its rows, both decayed by this per forward elapsed
 ACCEPT_DECAY = 0.99  # the acceptance by position: drafted and accepted counts, decayed by this per forward
+PROBE_ROWS = 16      # a (re)checked arm runs consecutive forwards until it has drafted for this many rows
 
 
 def arms(k_max: int) -> list[int]:
@@ -84,15 +87,17 @@ class DraftController:
         self.best = 0           # index into arms
         self.forwards = 0
         self.chosen: list[Choice] = []   # each forward's draft since the last `summary`
+        self._probing: int | None = None  # the arm being (re)checked, until it has seen PROBE_ROWS rows
+        self._probe_rows = 0
 
     def choose(self) -> Choice:
         """The draft for the next forward."""
-        pick = self.best
-        for i in (self.best + 1, self.best - 1):
+        pick = self.best if self._probing is None else self._probing
+        for i in (self.best + 1, self.best - 1) if self._probing is None else ():
             if 0 <= i < len(self.arms) and self.arms[self.best].measured:
                 arm = self.arms[i]
                 if arm.measured == 0 or self.forwards - arm.last >= arm.explore:
-                    pick = i
+                    pick, self._probing, self._probe_rows = i, i, 0
                     break
         self._pending = pick
         self.chosen.append(Choice(self.arms[pick].k, self.arms[pick].nodes))
@@ -130,6 +135,10 @@ class DraftController:
         self.forwards += 1
         best = self.arms[self.best]
         if i != self.best:
+            self._probe_rows += rows
+            if self._probe_rows < PROBE_ROWS:
+                return  # too few rows yet to judge (a batch of 4 rows: 4 forwards)
+            self._probing = None
             if self.rate(arm) > self.rate(best):
                 best.explore = EXPLORE_FIRST  # the old best stays a neighbour worth rechecking
                 self.best = i

@@ -167,7 +167,7 @@ class NgramDrafter:
         self.cfg = cfg or DrafterConfig()
         self.histories: OrderedDict[str, _History] = OrderedDict()
         self.global_history = _History()
-        self.index_s = 0.0  # seconds spent indexing newly added completions (paid once per completion)
+        self.index_s = 0.0  # seconds spent indexing new completions and new requests (paid once each)
 
     def _ready(self, hist: "_History | None") -> None:
         t0 = time.perf_counter()
@@ -222,9 +222,14 @@ class NgramDrafter:
         return sum(h.tokens for h in self.histories.values()) + self.global_history.tokens
 
     def start(self, key: str, prompt_ids: list[int]) -> DraftState:
+        """A request's state, its prompt (and output so far) indexed: paid once per request, so it
+        counts as indexing (`index_s`)."""
+        t0 = time.perf_counter()
         if key in self.histories:
             self.histories.move_to_end(key)
-        return DraftState(key, prompt_ids)
+        state = DraftState(key, prompt_ids)
+        self.index_s += time.perf_counter() - t0
+        return state
 
     # ------------------------------------------------------------------ proposal
 

@@ -397,8 +397,8 @@ class TorchRolloutEngine:
                         stats.prefetched += 1
                         next_drafts[i] = prepared[i][outcome]
             if control is not None:
-                # this forward's lookups, forward and verification; indexing newly finished completions
-                # is paid once whatever the draft length, so it is left out of the comparison
+                # this forward's lookups, forward and verification; indexing finished completions and
+                # new requests is paid once whatever the draft length, so it is left out of the comparison
                 now, indexed = time.perf_counter(), self.drafter.index_s
                 control.observe(now - t_step - (indexed - index_s), n, n_accepted, committed_now)
                 t_step, index_s = now, indexed
