@@ -32,7 +32,10 @@ def test_climbs_to_the_best_length_where_drafting_pays():
     assert chosen[:5] == [0, 1, 2, 4, 8]  # each unmeasured neighbour tried at once
     assert chosen[-200:].count(4) >= 190  # settled on k = 4, a rare recheck of 2 and 8
     assert c.gain(4) == pytest.approx(1 + 0.8 + 0.64 + 0.51 + 0.41, abs=0.01)
-    assert c.summary()["draft_acceptance"][:2] == [0.8, 0.64]
+    s = c.summary()
+    assert s["draft_control_accept_pos0"] == pytest.approx(0.8) and s["draft_control_accept_pos1"] == pytest.approx(0.64)
+    assert s["draft_k_best"] == 4 and s["draft_k_gain"] == pytest.approx(c.gain(4))
+    assert s["draft_k_cost_ms"] == pytest.approx(1e3 * MEMORY_BOUND[4])
 
 
 @pytest.mark.parametrize("slowdown", [1.2, 3.0])

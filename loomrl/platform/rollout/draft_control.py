@@ -33,8 +33,10 @@ Pooling the acceptance over arms is what makes the choice stable: a forward's co
 vary a lot from row to row, its duration little, so an arm's rate is not at the mercy of a few
 unlucky rejections.
 
-The decision and its inputs reach the metrics row (`summary`): the mean k per forward, the best arm,
-every measured arm's rate (`draft_k<k>_row_tokens_per_s`) and the acceptance by position.
+The decision and its inputs reach the metrics row (`summary`): the mean k per forward, the best arm
+with its estimated gain and measured cost (`draft_k_gain`, `draft_k_cost_ms`), every measured arm's
+rate (`draft_k<k>_row_tokens_per_s`) and the pooled acceptance by position
+(`draft_control_accept_pos<i>`).
 """
 from __future__ import annotations
 
@@ -159,7 +161,10 @@ class DraftController:
             out["draft_tree_share"] = sum(c.nodes > 0 for c in self.chosen) / n
         out.update({(f"draft_tree{a.nodes}" if a.nodes else f"draft_k{a.k}") + "_row_tokens_per_s": self.rate(a)
                     for a in self.arms if a.measured})
-        out["draft_acceptance"] = [round(a / d, 3) if d else 0.0 for a, d in zip(self.accepted, self.offered)]
+        best = self.arms[self.best]
+        out["draft_k_gain"] = self.gain(best.k, best.nodes)   # expected tokens per row, best arm
+        out["draft_k_cost_ms"] = 1e3 * best.cost              # measured ms per row, best arm
+        out.update({f"draft_control_accept_pos{i}": a / d for i, (a, d) in enumerate(zip(self.accepted, self.offered)) if d})
         self.chosen = []
         return out
 
