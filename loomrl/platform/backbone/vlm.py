@@ -407,6 +407,8 @@ class VLM(nn.Module):
             positions = (attention_mask.long().cumsum(-1)[:, -t:] - 1).clamp(min=0)
         if positions.dim() == 2 and rope_deltas is not None:
             positions = positions + rope_deltas[:, None]
+        if block_mask is None:  # (a Megatron-built language model takes no block mask: no trees there)
+            return self.language_model(embeds, positions, attention_mask.bool(), cache)
         return self.language_model(embeds, positions, attention_mask.bool(), cache, block_mask)
 
     def sequence_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,

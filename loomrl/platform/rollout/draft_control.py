@@ -34,7 +34,7 @@ vary a lot from row to row, its duration little, so an arm's rate is not at the 
 unlucky rejections.
 
 The decision and its inputs reach the metrics row (`summary`): the mean k per forward, the best arm
-with its estimated gain and measured cost (`draft_k_gain`, `draft_k_cost_ms`), every measured arm's
+with its estimated gain and measured cost (`draft_k_gain`, `draft_k_row_cost_s`), every measured arm's
 rate (`draft_k<k>_row_tokens_per_s`) and the pooled acceptance by position
 (`draft_control_accept_pos<i>`).
 """
@@ -163,7 +163,7 @@ class DraftController:
                     for a in self.arms if a.measured})
         best = self.arms[self.best]
         out["draft_k_gain"] = self.gain(best.k, best.nodes)   # expected tokens per row, best arm
-        out["draft_k_cost_ms"] = 1e3 * best.cost              # measured ms per row, best arm
+        out["draft_k_row_cost_s"] = best.cost                 # measured seconds per row, best arm
         out.update({f"draft_control_accept_pos{i}": a / d for i, (a, d) in enumerate(zip(self.accepted, self.offered)) if d})
         self.chosen = []
         return out
