@@ -12,7 +12,7 @@ demo: setup
 	$(VENV)/bin/loomrl run recipes/demo.yaml $(ARGS)
 
 test: setup
-	$(VENV)/bin/python -m pytest -q tests $(ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=15 tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs data/demo
