@@ -78,3 +78,13 @@ def test_a_tried_arm_runs_until_it_has_seen_16_rows():
         chosen.append(k)
         c.observe(MEMORY_BOUND[k] * 4, 4, [round(4 * 0.8 ** (p + 1)) for p in range(k)])
     assert chosen[:9] == [0, 1, 1, 1, 1, 2, 2, 2, 2]
+
+
+def test_state_round_trip_in_the_middle_of_a_check():
+    a = DraftController(8)
+    for _ in range(3):  # k = 0, then two of the four forwards that check k = 1 on a 4-row batch
+        k = a.choose().k
+        a.observe(MEMORY_BOUND[k] * 4, 4, [4] * k)
+    b = DraftController(8)
+    b.load_state_dict(a.state_dict())
+    assert [b.choose().k for _ in range(1)] == [a.choose().k] == [1] and b.state_dict() == a.state_dict()

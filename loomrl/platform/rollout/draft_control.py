@@ -169,13 +169,14 @@ class DraftController:
         return out
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "forwards": self.forwards, "offered": list(self.offered),
+        return {"best": self.best, "forwards": self.forwards, "probing": self._probing, "probe_rows": self._probe_rows,
+                "offered": list(self.offered),
                 "accepted": list(self.accepted),
                 "arms": [[a.k, a.nodes, a.rows, a.seconds, a.tokens, a.measured, a.last, a.explore]
                          for a in self.arms]}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = {(row[0], row[1]): row for row in state["arms"]}
+        saved = {(row[0], row[1]): row for row in state["arms"] if len(row) == 8}  # (older layouts: start afresh)
         for a in self.arms:
             if (a.k, a.nodes) in saved:
                 _, _, a.rows, a.seconds, a.tokens, a.measured, a.last, a.explore = saved[(a.k, a.nodes)]
@@ -184,3 +185,6 @@ class DraftController:
         self.accepted = (list(state.get("accepted", [])) + [0.0] * n)[:n]
         self.best = min(state["best"], len(self.arms) - 1)
         self.forwards = state["forwards"]
+        probing = state.get("probing")
+        self._probing = probing if probing is not None and probing < len(self.arms) else None
+        self._probe_rows = state.get("probe_rows", 0)
