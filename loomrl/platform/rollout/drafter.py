@@ -21,6 +21,9 @@ evicted past `max_prompts`), indexed by token bigrams. A proposal:
    repeats itself tends to keep doing so), this prompt's history 2 (newer
    completions up to ~15% more), the cross-prompt history 0.5.
 
+`propose_tree` drafts several continuations at once: a tree grown best-first from the same
+occurrences (`grow_tree`), verified by the built-in engine in one forward.
+
 It also returns, per draft position, the runner-up tokens with their support:
 the prefetcher uses them to guess the target's bonus token when it rejects.
 No draft model, no training, nothing on the accelerator; weight updates do not
@@ -387,13 +390,15 @@ def grow_tree(cands: list[tuple[list[int], int, float]], k: int, nodes: int, smo
 
     def push_children(parent: int, p: float, depth: int, live) -> None:
         votes: dict[int, float] = defaultdict(float)
-        for seq, pos, w in live:
+        agree: dict[int, list] = defaultdict(list)  # per next token, the occurrences continuing with it
+        for c in live:
+            seq, pos, w = c
             if pos + depth < len(seq):
                 votes[seq[pos + depth]] += w
+                agree[seq[pos + depth]].append(c)
         total = sum(votes.values()) + smooth
         for tok, v in votes.items():
-            agree = [c for c in live if c[1] + depth < len(c[0]) and c[0][c[1] + depth] == tok]
-            heapq.heappush(heap, (-p * v / total, next(order), parent, tok, depth + 1, agree))
+            heapq.heappush(heap, (-p * v / total, next(order), parent, tok, depth + 1, agree[tok]))
 
     push_children(-1, 1.0, 0, cands)
     while heap and len(tree.tokens) < nodes:
