@@ -175,6 +175,27 @@ def test_tree_replay_counts_tokens_per_forward_as_worked_by_hand():
     assert tally.summary()["acceptance_by_position"][:4] == [1.0, 1.0, 1.0, 0.0]
 
 
+def test_bonus_token_seen_after_the_last_accepted_token_is_looked_up_in_every_history():
+    """bench drafter's ceiling of history-based prefetch: was (last accepted, bonus) ever seen, in the
+    prompt's history, the cross-prompt history or the request so far (its accepted tokens included)?"""
+    from loomrl.platform.rollout.bench_drafter import _bigram_seen
+
+    d = NgramDrafter(DrafterConfig(global_history=4))
+    d.observe("p", [1, 2, 3])    # prompt p's history: (2, 3); the cross-prompt history too
+    d.observe("q", [6, 2, 8])    # the cross-prompt history only, for p: (2, 8)
+    st = d.start("p", [5, 2, 4])
+    assert _bigram_seen(d, st, [3])          # (2, 3): p's history
+    assert _bigram_seen(d, st, [8])          # (2, 8): the cross-prompt history
+    assert _bigram_seen(d, st, [4, 4])       # accepted 4 (context 5 2 4 4), bonus 4: (4, 4), made by the accepted
+    assert not _bigram_seen(d, st, [4, 5])   # (4, 5): nowhere
+    assert not _bigram_seen(d, st, [9])      # (2, 9): nowhere
+    assert not _bigram_seen(d, st, [4, 4, 9])  # (4, 9): nowhere
+    st2 = d.start("p", [2, 4, 7])
+    assert _bigram_seen(d, st2, [2, 4])      # accepted 2 (context 2 4 7 2), bonus 4: (2, 4) in the request
+    assert not _bigram_seen(d, st2, [7, 9])
+    assert st2.tokens == [2, 4, 7] and st.tokens == [5, 2, 4]  # the checks leave the request as it was
+
+
 def test_grow_tree_expands_the_most_probable_nodes_first():
     # two earlier continuations of the context, weights 2 and 1: [5, 6, 7] and [5, 8, 9]
     cands = [([5, 6, 7], 0, 2.0), ([5, 8, 9], 0, 1.0)]

@@ -117,7 +117,8 @@ def replay(rows: list[dict], k: int, make) -> Tally:
     return tally
 
 
-def ngramrl_factory(cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: dict | None = None):
+def ngramrl_factory(cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: dict | None = None,
+                    ceiling_out: dict | None = None):
     def make():
         drafter = NgramDrafter(cfg)
         prefetchers = {b: FanoutPrefetcher(b) for b in budgets}
@@ -146,6 +147,9 @@ def ngramrl_factory(cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: 
                 for b, p in prefetchers.items():
                     if st["row"]["round"] >= 1:
                         p.observe(len(d.tokens), j, outcome in plans[b])
+                if st["row"]["round"] >= 1 and ceiling_out is not None:
+                    seen[0] += _bigram_seen(drafter, st["state"], tokens)
+                    seen[1] += 1
             st["pending"] = None
             st["state"].extend(tokens)
 
@@ -153,9 +157,28 @@ def ngramrl_factory(cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: 
             drafter.observe(row["prompt_id"], row["completion_ids"])
             if coverage_out is not None:
                 coverage_out.update({("all" if b == ALL else str(b)): p.coverage for b, p in prefetchers.items()})
+            if ceiling_out is not None:
+                ceiling_out["seen"] = seen[0] / max(1, seen[1])
 
+        seen = [0, 0]  # outcomes whose bonus token followed the last accepted token anywhere before; outcomes
         return start, propose, commit, finish
     return make
+
+
+def _bigram_seen(drafter: NgramDrafter, state, tokens: list[int]) -> bool:
+    """Whether the bonus token tokens[-1] ever followed the token before it (the last accepted one) in
+    this prompt's history, the request so far or the cross-prompt history: an outcome that no history
+    names at all, so no prefetcher predicting from history covers it at any budget."""
+    x, b = (state.tokens + tokens[:-1])[-1], tokens[-1]
+    hist = drafter.histories.get(state.key)
+    if hist is not None and (x, b) in hist.ready().index or (x, b) in drafter.global_history.ready().index:
+        return True
+    n = len(state.tokens)
+    state.extend(tokens[:-1])  # the accepted tokens join the request's own index for the check
+    try:
+        return (x, b) in state.index and bool(state.index[(x, b)])
+    finally:
+        state.truncate(n)
 
 
 def tree_factory(cfg: DrafterConfig, nodes: int):
@@ -239,8 +262,10 @@ def run_bench(path: str, k: int, cfg: DrafterConfig | None = None, tree_nodes: i
     rows = load_traces(path)
     cfg = cfg or DrafterConfig(max_prompts=1 << 20)
     coverage: dict = {}
+    ceiling: dict = {}
     # prefetch coverage in its own pass, so NgramRL's lookup times are plain lookups
-    replay(rows, k, ngramrl_factory(cfg, coverage_out=coverage))
+    replay(rows, k, ngramrl_factory(cfg, coverage_out=coverage, ceiling_out=ceiling))
+    coverage["bigram_seen"] = ceiling.get("seen", 0.0)
     results = {"ngramrl": replay(rows, k, ngramrl_factory(cfg, budgets=())).summary(),
                f"ngramrl_tree{tree_nodes}": replay(rows, k, tree_factory(cfg, tree_nodes)).summary(),
                "prompt_lookup": replay(rows, k, prompt_lookup_factory()).summary()}
@@ -281,8 +306,12 @@ def main(argv: list[str]) -> int:
             print("vs SuffixDecoding: " + ", ".join(
                 f"{name} x{s['tokens_per_forward'] / suffix['tokens_per_forward']:.2f}"
                 for name, s in out["drafters"].items() if name.startswith("ngramrl")))
-        print("prefetch coverage: " + ", ".join(f"budget {b}: {c:.1%}" for b, c in out["prefetch_coverage"].items())
+        cov = dict(out["prefetch_coverage"])
+        seen = cov.pop("bigram_seen")
+        print("prefetch coverage: " + ", ".join(f"budget {b}: {c:.1%}" for b, c in cov.items())
               + "  (all: every outcome the prefetcher can name, the ceiling of any budget)")
+        print(f"outcomes whose bonus token ever followed the last accepted token before: {seen:.1%} "
+              "(a prefetcher that predicts the bonus token from what followed the context can name no other)")
         if args.json:
             print(json.dumps({"k": out["k"], "traces": path, "drafters": out["drafters"],
                               "prefetch_coverage": out["prefetch_coverage"]}))
