@@ -338,7 +338,9 @@ class DrafterConfig:
     each row's draft at twice what its last one got committed; the choice and the measured
     rates are logged (`draft_k_mean`, `draft_k_best`, `draft_k<k>_row_tokens_per_s`). In vLLM the
     same controller runs inside loomrl's proposer and chooses each scheduler step's draft length
-    (k is vLLM's `num_speculative_tokens`, the longest draft). false: always draft up to k."""
+    (k is vLLM's `num_speculative_tokens`, the longest draft; when sampling, vLLM's token for a seed
+    depends on the draft length, so there seeded runs repeat exactly only with false). false: always
+    draft up to k."""
     tree_nodes: int = ranged(0, ge=0)
     """Built-in engine: draft trees of up to this many tokens (k deep), several candidate
     continuations verified in one forward (0 = single drafts only). Trees commit more tokens per

@@ -351,7 +351,8 @@ class VLLMRolloutEngine:
                 self._counters = self._spec_counters()
         inputs = self._prompt_inputs(prompts)
         # One request per sample (greedy requests must have n = 1), each with its own seed
-        # drawn from the run's generator, so a seeded run is reproducible.
+        # drawn from the run's generator, so a seeded run is reproducible (when sampling with
+        # drafts: at a fixed draft length; see vllm_proposer on the adaptive one).
         seeds = torch.randint(0, 2**31 - 1, (len(prompts) * params.n,), generator=generator,
                           device=generator.device if generator is not None else None).tolist()
         engine = self.llm.llm_engine

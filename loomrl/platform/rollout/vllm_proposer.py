@@ -23,6 +23,13 @@ the next (that step's forward, verification and scheduling, and the lookups), it
 requests it drafted for, and their accepted drafts what the next call's sampled tokens say
 (accepted = sampled - 1). The first step of a batch and the gap between batches are not
 measured.
+
+Unlike the built-in engine (position-keyed samples), vLLM's rejection sampler draws a sampled
+token differently at each draft length: the distribution is the same, the token for a seed is not.
+So when sampling, the adaptive draft length (which follows timings) makes two runs of one seed, or
+a run and its resume, commit other tokens from the first step whose chosen length differs.
+`rollout.drafter.adaptive: false` (a fixed k) keeps seeded vLLM runs reproducible; greedy runs are
+reproducible either way.
 """
 from __future__ import annotations
 
