@@ -54,7 +54,7 @@ def test_vllm_workload_measures_two_vllm_engines_side_by_side():
 import json
 from pathlib import Path
 from loomrl.platform.rollout import bench_rollout as B
-w = B.greedy_workload(Path({str(TRACES)!r}), prompts=2, tokens=12, rounds=3, shape={TINY!r})
+w = B.greedy_workload(Path({str(TRACES)!r}), prompts=2, tokens=8, rounds=2, shape={TINY!r})
 print("ROW " + json.dumps(B.measure(w)))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

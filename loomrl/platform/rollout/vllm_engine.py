@@ -47,6 +47,7 @@ child processes to orphan, ~2-3 s start on CPU. `shutdown()` stops its engine co
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import shutil
 import tempfile
@@ -185,6 +186,9 @@ class _RemoteDrafter:
 
 
 class VLLMRolloutEngine:
+    _ids = itertools.count()
+    _counted_last = -1  # the id of the drafting engine whose generate last read vLLM's counters
+
     def __init__(self, model, cfg: Optional[VLLMConfig] = None, drafter_cfg: Optional[DrafterConfig] = None,
                  temperature: float = 1.0, max_model_len: int = 512, seed: int = 0):
         """model: the trainer's VLM (its towers encode media here; its language model is what
@@ -216,6 +220,7 @@ class VLLMRolloutEngine:
         self.last_stats = DraftStats()
         self.spec_metrics: dict = {}
         self._counters: Optional[dict] = None  # vLLM's spec-decoding counters after the last generate
+        self._id = next(VLLMRolloutEngine._ids)
         self._observed: list[tuple[str, list[int]]] = []
         self._batch = 0
         vocab = model.language_model.cfg.vocab_size
@@ -347,8 +352,8 @@ class VLLMRolloutEngine:
             self.llm.collective_rpc(P.rpc_begin, args=(self.drafter_cfg, batch,
                                                        [(p.id, list(p.ids)) for p in prompts], self._observed))
             self._observed = []
-            if self._counters is None:
-                self._counters = self._spec_counters()
+            if self._counters is None or VLLMRolloutEngine._counted_last != self._id:
+                self._counters = self._spec_counters()  # (another engine in this process may have moved them)
         inputs = self._prompt_inputs(prompts)
         # One request per sample (greedy requests must have n = 1), each with its own seed
         # drawn from the run's generator, so a seeded run is reproducible (when sampling with
@@ -393,6 +398,7 @@ class VLLMRolloutEngine:
             # vLLM's counters move only when something was drafted (reading them costs ~4 ms)
             before, k = self._counters, self.drafter_cfg.k
             after = self._counters = self._spec_counters() if drafted else before
+            VLLMRolloutEngine._counted_last = self._id
             delta = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
             per_pos = [a - b for a, b in zip(after["per_pos"] + [0] * k, before["per_pos"] + [0] * k)][:k]
             # vLLM counts accepted tokens per position against the number of drafts (its

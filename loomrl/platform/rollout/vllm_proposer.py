@@ -63,7 +63,7 @@ class NgramRLProposer:
         self.prompts: list[tuple[str, list[int]]] = []   # (prompt key, prompt ids) by prompt index
         self.states: dict[str, DraftState] = {}            # request id -> its draft state
         self.caps: dict[str, int] = {}                     # request id -> its longest next draft (adaptive)
-        self.drafted = 0                                   # draft tokens proposed since the last `take_drafted`
+        self.drafted = 0                                   # draft tokens proposed since the last `rpc_end_batch`
         self._step: Optional[tuple[float, dict[str, int]]] = None  # last step: its start, draft length per request
 
     def load_model(self, *args, **kwargs) -> None:
@@ -120,8 +120,9 @@ class NgramRLProposer:
         return drafts
 
     def _measure(self, seconds: float, lengths: dict[str, int], req_ids, sampled_token_ids) -> None:
-        """The controller's view of the last step: its rows (the requests it drafted for that are
-        still running: vLLM drops a finished one before this call) and how many drafts each accepted."""
+        """The controller's view of the last step: its rows (the requests it drafted for: vLLM learns
+        that a request finished only after this call, so its last step is still here) and how many
+        drafts each accepted."""
         accepted = [0] * self.k
         rows = tokens = 0
         for i, sampled in enumerate(sampled_token_ids):
