@@ -34,8 +34,9 @@ so each prompt goes in with its placeholder runs collapsed and comes back checke
 trainer's expanded ids. That processor needs the tokenizer: the export folder also holds the
 policy's tokenizer and a preprocessor config (vLLM loads both while it starts).
 
-NgramRL drafting runs inside vLLM (see `vllm_proposer.py`); acceptance counters come from
-vLLM's own metrics (`get_metrics`), as differences per generate call.
+NgramRL drafting runs inside vLLM (see `vllm_proposer.py`); its proposer counts the drafts and
+accepted tokens of each generate call (vLLM's own Prometheus counters are process-wide: an engine
+started later in the same process takes them over).
 
 Native multimodal serving (`start_native` / `generate_native`): a HF Qwen2-VL / Qwen2.5-VL /
 Qwen2-Audio folder served as it is, media in vLLM's multimodal input format, processed by the
@@ -47,7 +48,6 @@ child processes to orphan, ~2-3 s start on CPU. `shutdown()` stops its engine co
 from __future__ import annotations
 
 import gc
-import itertools
 import os
 import shutil
 import tempfile
@@ -186,9 +186,6 @@ class _RemoteDrafter:
 
 
 class VLLMRolloutEngine:
-    _ids = itertools.count()
-    _counted_last = -1  # the id of the drafting engine whose generate last read vLLM's counters
-
     def __init__(self, model, cfg: Optional[VLLMConfig] = None, drafter_cfg: Optional[DrafterConfig] = None,
                  temperature: float = 1.0, max_model_len: int = 512, seed: int = 0):
         """model: the trainer's VLM (its towers encode media here; its language model is what
@@ -219,8 +216,6 @@ class VLLMRolloutEngine:
                                  "rollout.vllm.multiprocessing=false")
         self.last_stats = DraftStats()
         self.spec_metrics: dict = {}
-        self._counters: Optional[dict] = None  # vLLM's spec-decoding counters after the last generate
-        self._id = next(VLLMRolloutEngine._ids)
         self._observed: list[tuple[str, list[int]]] = []
         self._batch = 0
         vocab = model.language_model.cfg.vocab_size
@@ -329,18 +324,6 @@ class VLLMRolloutEngine:
                 "image_grid_thw": torch.stack([m.grid for m in p.media])}}
         return inp
 
-    def _spec_counters(self) -> dict:
-        """vLLM's cumulative speculative-decoding counters."""
-        c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-        names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens": "accepted"}
-        for m in self.llm.get_metrics():
-            if m.name in names:
-                c[names[m.name]] += int(m.value)
-            elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-                c["per_pos"] = [int(v) for v in m.values]
-        return c
-
     def generate(self, prompts: list[Prompt], params: SamplingParams,
                  generator: Optional[torch.Generator] = None) -> RolloutResult:
         from vllm import SamplingParams as VSP
@@ -352,8 +335,6 @@ class VLLMRolloutEngine:
             self.llm.collective_rpc(P.rpc_begin, args=(self.drafter_cfg, batch,
                                                        [(p.id, list(p.ids)) for p in prompts], self._observed))
             self._observed = []
-            if self._counters is None or VLLMRolloutEngine._counted_last != self._id:
-                self._counters = self._spec_counters()  # (another engine in this process may have moved them)
         inputs = self._prompt_inputs(prompts)
         # One request per sample (greedy requests must have n = 1), each with its own seed
         # drawn from the run's generator, so a seeded run is reproducible (when sampling with
@@ -394,19 +375,13 @@ class VLLMRolloutEngine:
         stats = DraftStats()
         self.spec_metrics = {}
         if self.drafter_cfg is not None:
-            drafted, control = self.llm.collective_rpc(P.rpc_end_batch)[0]
-            # vLLM's counters move only when something was drafted (reading them costs ~4 ms)
-            before, k = self._counters, self.drafter_cfg.k
-            after = self._counters = self._spec_counters() if drafted else before
-            VLLMRolloutEngine._counted_last = self._id
-            delta = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
-            per_pos = [a - b for a, b in zip(after["per_pos"] + [0] * k, before["per_pos"] + [0] * k)][:k]
-            # vLLM counts accepted tokens per position against the number of drafts (its
-            # acceptance-by-position definition); drafted tokens only in total.
-            stats = DraftStats([delta["drafts"]] * k, per_pos)
-            self.spec_metrics = {"vllm_drafts": delta["drafts"], "vllm_draft_tokens": delta["draft_tokens"],
-                                 "vllm_accepted_tokens": delta["accepted"],
-                                 "draft_acceptance": delta["accepted"] / max(1, delta["draft_tokens"]), **control}
+            tally, control = self.llm.collective_rpc(P.rpc_end_batch)[0]
+            # accepted tokens per position against the number of drafts (vLLM's acceptance-by-position
+            # definition); drafted tokens only in total
+            stats = DraftStats([tally["drafts"]] * self.drafter_cfg.k, tally["accepted_per_pos"])
+            self.spec_metrics = {"vllm_drafts": tally["drafts"], "vllm_draft_tokens": tally["draft_tokens"],
+                                 "vllm_accepted_tokens": tally["accepted"],
+                                 "draft_acceptance": tally["accepted"] / max(1, tally["draft_tokens"]), **control}
         self.last_stats = stats
         tokens = sum(len(r.completion_ids) for r in rollouts)
         # each target forward of a sequence commits one sampled token plus its accepted drafts

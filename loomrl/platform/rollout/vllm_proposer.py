@@ -63,7 +63,7 @@ class NgramRLProposer:
         self.prompts: list[tuple[str, list[int]]] = []   # (prompt key, prompt ids) by prompt index
         self.states: dict[str, DraftState] = {}            # request id -> its draft state
         self.caps: dict[str, int] = {}                     # request id -> its longest next draft (adaptive)
-        self.drafted = 0                                   # draft tokens proposed since the last `rpc_end_batch`
+        self.tally = _tally(self.k)                         # drafts verified since the last `rpc_end_batch`
         self._step: Optional[tuple[float, dict[str, int]]] = None  # last step: its start, draft length per request
 
     def load_model(self, *args, **kwargs) -> None:
@@ -87,8 +87,8 @@ class NgramRLProposer:
                 **kwargs) -> list[list[int]]:
         now = time.perf_counter()
         req_ids = self.runner.input_batch.req_ids if self.runner is not None else []
-        if self.control is not None and self._step is not None:
-            self._measure(now - self._step[0], self._step[1], req_ids, sampled_token_ids)
+        if self._step is not None:
+            self._account(now - self._step[0], self._step[1], req_ids, sampled_token_ids)
         k = self.control.choose().k if self.control is not None else self.k
         lengths_before = self._step[1] if self._step is not None else {}
         if k == 0:  # plain decoding this step: no lookups, and a request's state catches up when it next drafts
@@ -112,27 +112,36 @@ class NgramRLProposer:
             n_draft = min(k, self.caps.get(rid, k))
             drafts.append(self.drafter.propose(state, n_draft).tokens if n_draft > 0 else [])
             lengths[rid] = len(drafts[-1])
-            self.drafted += lengths[rid]
         for rid in [r for r in self.states if r not in lengths]:
             del self.states[rid]  # finished requests
             self.caps.pop(rid, None)
         self._step = (now, lengths)
         return drafts
 
-    def _measure(self, seconds: float, lengths: dict[str, int], req_ids, sampled_token_ids) -> None:
-        """The controller's view of the last step: its rows (the requests it drafted for: vLLM learns
-        that a request finished only after this call, so its last step is still here) and how many
-        drafts each accepted."""
-        accepted = [0] * self.k
+    def _account(self, seconds: float, lengths: dict[str, int], req_ids, sampled_token_ids) -> None:
+        """The last step's drafts as verified (this call's sampled tokens: vLLM learns that a request
+        finished only after this call, so its last step is here too): counted into `tally`, and,
+        with `adaptive`, the controller's view of the step: its rows, their accepted drafts, its time."""
+        if not any(lengths.values()) and self.control is None:
+            return
+        accepted = [0] * self.k  # rows with draft positions 0..i accepted
         rows = tokens = 0
+        t = self.tally
         for i, sampled in enumerate(sampled_token_ids):
             rid = req_ids[i] if i < len(req_ids) else None
             if rid in lengths:
                 rows += 1
                 tokens += len(sampled)
-                for p in range(min(len(sampled) - 1, lengths[rid])):
+                a = min(len(sampled) - 1, lengths[rid])
+                for p in range(a):
                     accepted[p] += 1
-        if rows:
+                if lengths[rid]:
+                    t["drafts"] += 1
+                    t["draft_tokens"] += lengths[rid]
+                    t["accepted"] += a
+        for p in range(self.k):
+            t["accepted_per_pos"][p] += accepted[p]
+        if self.control is not None and rows:
             self.control.observe(seconds, rows, accepted, tokens)
 
     def _ours(self, rid: str) -> Optional[re.Match]:
@@ -174,12 +183,17 @@ def rpc_history_tokens(worker) -> int:
     return d.history_tokens() if d is not None else 0
 
 
-def rpc_end_batch(worker) -> tuple[int, dict]:
-    """(draft tokens proposed since the last call, the draft-length decision and its inputs since
-    the last call: {} without `adaptive`)."""
+def _tally(k: int) -> dict:
+    return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * k}
+
+
+def rpc_end_batch(worker) -> tuple[dict, dict]:
+    """(the drafts verified since the last call: how many, their tokens, the accepted ones in all
+    and by position; the draft-length decision and its inputs since the last call: {} without
+    `adaptive`)."""
     p = _proposer(worker)
-    drafted, p.drafted = p.drafted, 0
-    return drafted, (p.control.summary() if p.control is not None else {})
+    tally, p.tally = p.tally, _tally(p.k)
+    return tally, (p.control.summary() if p.control is not None else {})
 
 
 def rpc_state_dict(worker) -> Optional[dict]:
