@@ -160,7 +160,7 @@ def ngramrl_factory(cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: 
             if ceiling_out is not None:
                 ceiling_out["seen"] = seen[0] / max(1, seen[1])
 
-        seen = [0, 0]  # outcomes whose bonus token followed the last accepted token anywhere before; outcomes
+        seen = [0, 0]  # [outcomes whose bonus token had followed the last accepted token before, outcomes counted]
         return start, propose, commit, finish
     return make
 
