@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -7,6 +9,9 @@ from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.recipe import ModelConfig
 
 torch.set_num_threads(2)
+# A sample that fails with an exception no decoder raises on bad data (IndexError, AttributeError...)
+# is a bug, not a bad sample: in the tests it raises instead of being skipped (encoders/media.py).
+os.environ["LOOMRL_STRICT_DATA_ERRORS"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,13 @@ go to `loomrl shards verify` (in-process) and to the training reader (`ShardStre
 samples are there) or 1 with every fault naming the shard; the reader's samples or named skips, or its RecipeError for
 a shard with no usable sample. Not allowed: any other exception, a case over its time
 limit (a hang), or a peak memory growth over a bound.
+
+A tar mutation of a member's bytes is caught by the member's sha256 before any decoder sees it,
+so a second test damages the media themselves (PNG and WAV headers and bodies) and writes them
+into well-formed shards: the decoders and the tokeniser get the damage. There, a refusal must
+come from an exception that decoders raise on bad data (`encoders.media.DATA_ERRORS`); the
+tests set LOOMRL_STRICT_DATA_ERRORS=1 (conftest.py), so an IndexError or AttributeError in
+loomrl's reading code fails the test instead of passing for a named skip.
 """
 import os
 import random
@@ -31,16 +38,17 @@ class Hang(Exception):
     pass
 
 
-def mutate(raw: bytes, headers: list[int], rng: random.Random) -> tuple[bytes, str]:
-    """One to three random mutations of `raw`; positions aimed at a tar header half the time.
-    Returns the bytes and a description of what was done (for the failure message)."""
+def mutate(raw: bytes, headers: list[int], rng: random.Random, header_span: int = 512) -> tuple[bytes, str]:
+    """One to three random mutations of `raw`; positions aimed at a header (the `header_span`
+    bytes from an offset in `headers`) half the time. Returns the bytes and a description of
+    what was done (for the failure message)."""
     data = bytearray(raw)
     done = []
     for _ in range(rng.randint(1, 3)):
         if not data:
             break
         if headers and rng.random() < 0.5:
-            pos = min(rng.choice(headers) + rng.randrange(512), len(data) - 1)
+            pos = min(rng.choice(headers) + rng.randrange(header_span), len(data) - 1)
         else:
             pos = rng.randrange(len(data))
         kind = rng.choice(["flip", "byte", "truncate", "zero", "insert"])
@@ -80,13 +88,47 @@ def shard(tmp_path):
     return raw, headers
 
 
+def mutated_tar(tmp_path, shard):
+    """Each seed's case: the valid shard's bytes, mutated."""
+    raw, headers = shard
+
+    def case(seed: int) -> tuple[str, str]:
+        data, what = mutate(raw, headers, random.Random(seed))
+        path = str(tmp_path / f"m-{seed:04d}.tar")
+        with open(path, "wb") as f:
+            f.write(data)
+        return path, f"seed {seed} ({what})"
+    return case
+
+
+def damaged_media(tmp_path):
+    """Each seed's case: a well-formed shard of the 4 demo samples, one to three of whose media
+    were mutated before writing (the first 64 bytes, where the format's header is, 70% of the time)."""
+    def case(seed: int) -> tuple[str, str]:
+        rng = random.Random(seed)
+        samples = [make_sample(i, random.Random(1000 + i)) for i in range(4)]
+        done = []
+        for _ in range(rng.randint(1, 3)):
+            sample = rng.choice(samples)
+            j = rng.randrange(len(sample["media"]))
+            kind, member, data = sample["media"][j]
+            data, what = mutate(data, [0] if rng.random() < 0.7 else [], rng, header_span=64)
+            sample["media"][j] = (kind, member, data)
+            done.append(f"{sample['id']} {member}: {what}")
+        (path,) = write_shards(samples, str(tmp_path / f"d-{seed:04d}-%d.tar"), maxcount=10)
+        return path, f"seed {seed} ({'; '.join(done)})"
+    return case
+
+
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="the hang guard needs SIGALRM")
-def test_mutated_shards_get_only_clean_refusals(tmp_path, shard, model, tokenizer, capsys, loomrl_log):
+@pytest.mark.parametrize("damage", ["tar", "media"])
+def test_mutated_shards_get_only_clean_refusals(tmp_path, shard, model, tokenizer, capsys, loomrl_log, damage):
     from loomrl.datasets.source import PromptSource
     from loomrl.datasets.stream import ShardStream
     from loomrl.platform.recipe import ModelConfig, RecipeError
 
-    raw, headers = shard
+    make_case = mutated_tar(tmp_path, shard) if damage == "tar" else damaged_media(tmp_path)
+    seeds = SEEDS if damage == "tar" else SEEDS // 2  # a media case writes a shard: dearer
     cfg = ModelConfig()
 
     def on_alarm(signum, frame):
@@ -97,13 +139,8 @@ def test_mutated_shards_get_only_clean_refusals(tmp_path, shard, model, tokenize
     outcomes = {"verify ok": 0, "verify fault": 0, "samples": 0, "skips": 0, "no usable sample": 0}
     t0 = time.perf_counter()
     try:
-        for seed in range(SEEDS):
-            rng = random.Random(seed)
-            data, what = mutate(raw, headers, rng)
-            path = str(tmp_path / f"m-{seed:04d}.tar")
-            with open(path, "wb") as f:
-                f.write(data)
-            case = f"seed {seed} ({what})"
+        for seed in range(seeds):
+            path, case = make_case(seed)
             signal.setitimer(signal.ITIMER_REAL, CASE_SECONDS)
             try:
                 # verify: exit 0, or 1 with every fault naming this shard
@@ -140,7 +177,7 @@ def test_mutated_shards_get_only_clean_refusals(tmp_path, shard, model, tokenize
         signal.signal(signal.SIGALRM, previous)
     seconds = time.perf_counter() - t0
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_before
-    print(f"{SEEDS} mutated shards in {seconds:.1f} s, peak memory growth {growth / 1e6:.0f} MB: {outcomes}")
+    print(f"{seeds} mutated shards ({damage}) in {seconds:.1f} s, peak memory growth {growth / 1e6:.0f} MB: {outcomes}")
     assert growth < PEAK_GROWTH_BYTES, f"peak memory grew by {growth / 1e6:.0f} MB"
     # the mutations reached both outcomes of each reader: the test exercises what it claims to
     assert outcomes["verify ok"] and outcomes["verify fault"] and outcomes["skips"] and outcomes["samples"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError, load_sample, open_shard, read_header, scan_shard
-from loomrl.encoders.media import MAX_AUDIO_SECONDS, decode_audio, decode_image
+from loomrl.encoders.media import MAX_AUDIO_SECONDS, data_error, decode_audio, decode_image
 
 
 @dataclass
@@ -63,7 +63,7 @@ def _decode_fault(shard: str, key: str, members: list[str], sample: dict, sample
             else:
                 decode_audio(data, sample_rate, max_audio_seconds)  # the length is checked before decoding
         except Exception as e:  # whatever the decoder raises is a fault to report, not to crash on
-            return Fault(shard, key, member, f"does not decode as {kind} ({type(e).__name__}: {e})")
+            return Fault(shard, key, member, f"does not decode as {kind} ({data_error(e)})")
     return None
 
 

@@ -65,7 +65,7 @@ def prepare_image(data: bytes, limits: Limits) -> tuple[str, bytes]:
     """(extension, bytes to store) of a valid image; raises Reject."""
     from PIL import Image, UnidentifiedImageError
 
-    from loomrl.encoders.media import decode_image
+    from loomrl.encoders.media import data_error, decode_image
 
     try:
         # The same decoder the trainer uses, with the same pixel guard.
@@ -79,7 +79,7 @@ def prepare_image(data: bytes, limits: Limits) -> tuple[str, bytes]:
             raise Reject("image-too-large", str(e)) from None
         raise Reject("bad-image", f"cannot decode: {e}") from None
     except Exception as e:  # truncated or corrupt data: OSError, SyntaxError, zlib errors, ...
-        raise Reject("bad-image", f"cannot decode ({type(e).__name__}: {e})") from None
+        raise Reject("bad-image", f"cannot decode ({data_error(e)})") from None
     if fmt in KEEP_IMAGE_FORMATS:
         return KEEP_IMAGE_FORMATS[fmt], data
     buf = io.BytesIO()
@@ -91,7 +91,7 @@ def prepare_audio(data: bytes, limits: Limits) -> bytes:
     """Mono 16-bit WAV at the target rate of a valid clip; raises Reject."""
     import soundfile as sf
 
-    from loomrl.encoders.media import AudioTooLong, read_audio, resample
+    from loomrl.encoders.media import AudioTooLong, data_error, read_audio, resample
 
     try:
         # The same reader the trainer uses: the length is checked from the header before
@@ -100,6 +100,7 @@ def prepare_audio(data: bytes, limits: Limits) -> bytes:
     except AudioTooLong as e:
         raise Reject("audio-too-long", str(e)) from None
     except Exception as e:  # libsndfile: "Format not recognised", "unspecified internal error", ...
+        data_error(e)  # (raises a bug's exception under LOOMRL_STRICT_DATA_ERRORS=1)
         raise Reject("bad-audio", f"not audio soundfile can read ({_sf_message(e)})") from None
     if wave.size == 0:
         raise Reject("empty-audio", "clip has no samples")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from loomrl.datasets.stream import ShardStream
-from loomrl.encoders.media import Medium, load_medium
+from loomrl.encoders.media import Medium, data_error, load_medium
 from loomrl.platform.recipe import ModelConfig, RecipeError
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class PromptSource:
             text = rec["prompt"] if self.render is None else self.render(rec["prompt"])
             ids = self.model.prompt_ids(self.tokenizer, text, media)
         except Exception as e:  # a bad sample is reported and counted, never silently lost
-            self._skip(rec.get("source", rec.get("id", "?")), f"{type(e).__name__}: {e}")
+            self._skip(rec.get("source", rec.get("id", "?")), data_error(e))
             return None
         if self.require_answer and not rec.get("answer"):
             self._skip(rec.get("source", rec.get("id", "?")), "the sample has no answer to learn (supervised training)")

@@ -6,6 +6,9 @@ import hashlib
 import io
 import json
 import math
+import os
+import struct
+import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,6 +43,24 @@ def content_hash(data: bytes) -> str:
 def settings_fingerprint(settings: dict) -> str:
     """Short stable hash of a JSON-able settings dict (preprocessing, encoder config)."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# What decoders and tokenisers raise on damaged or hostile data: Pillow (OSError, SyntaxError,
+# ValueError, EOFError, zlib and struct errors), libsndfile (soundfile.LibsndfileError, a
+# RuntimeError), loomrl's own refusals (ValueError). A bad sample with one of these is skipped
+# and counted. Any other type (IndexError, AttributeError, TypeError, KeyError...) is a bug in
+# the reading code: it is still skipped and counted in a run, so one sample never ends a job,
+# but with LOOMRL_STRICT_DATA_ERRORS=1 (the tests set it) it is raised instead.
+DATA_ERRORS = (OSError, ValueError, SyntaxError, EOFError, RuntimeError, zlib.error, struct.error)
+STRICT_DATA_ERRORS = "LOOMRL_STRICT_DATA_ERRORS"
+
+
+def data_error(e: Exception) -> str:
+    """The reason to report for an exception met while decoding a sample ("Type: message");
+    re-raises it under LOOMRL_STRICT_DATA_ERRORS=1 when it is not one of DATA_ERRORS."""
+    if not isinstance(e, DATA_ERRORS) and os.environ.get(STRICT_DATA_ERRORS) == "1":
+        raise e
+    return f"{type(e).__name__}: {e}"
 
 
 def decode_image(data: bytes, max_pixels: int = 50_000_000):
