@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,13 +31,72 @@ def test_forced_completions_are_committed_exactly_with_and_without_drafting(tree
     assert res.tokens_per_forward > 1.2  # the histories (earlier rounds of the same prompts) draft them
 
 
-def test_measure_reports_the_readme_fields():
-    w = B.traced_workload(TRACES, prompts=1, samples=2, tokens=16, rounds=2, shape=TINY)
+def test_measure_runs_each_batch_abba_and_reports_the_median_of_batches(monkeypatch):
+    """Each batch runs plain, drafted, drafted, plain; the first batch is not measured; the speed-up
+    is the median of the measured batches' ratios (3 batches here: not the overall ratio), and the
+    README's fields."""
+    w = B.traced_workload(TRACES, prompts=1, samples=2, tokens=16, rounds=4, shape=TINY)
+    runs = []  # (engine, result) in the order they ran
+
+    def logged(name, engine):
+        generate = engine.generate
+
+        def run(batch, params, g, forced=None):
+            res = generate(batch, params, g, forced)
+            runs.append((name, res))
+            return res
+        engine.generate = run
+        return engine
+
+    plain, drafted = B._engines(w)
+    monkeypatch.setattr(B, "_engines", lambda w: (logged("plain", plain), logged("drafted", drafted)))
     row = B.measure(w)
+    assert [name for name, _ in runs] == ["plain", "drafted", "drafted", "plain"] * 4
     assert set(row) == {"name", "engine", "plain_tokens_per_s", "drafted_tokens_per_s", "speedup",
                         "tokens_per_forward"}
-    assert row["speedup"] == pytest.approx(row["drafted_tokens_per_s"] / row["plain_tokens_per_s"])
+    results = [res for _, res in runs]
+    ratios = []
+    for b in range(1, 4):
+        p0, d0, d1, p1 = results[4 * b:4 * b + 4]
+        ratios.append((d0.tokens + d1.tokens) / (d0.seconds + d1.seconds)
+                      / ((p0.tokens + p1.tokens) / (p0.seconds + p1.seconds)))
+    assert row["speedup"] == pytest.approx(sorted(ratios)[1])
+    measured = results[4:]
+    plain_runs, drafted_runs = measured[0::4] + measured[3::4], measured[1::4] + measured[2::4]
+    assert row["plain_tokens_per_s"] == pytest.approx(sum(r.tokens for r in plain_runs)
+                                                      / sum(r.seconds for r in plain_runs))
+    assert row["drafted_tokens_per_s"] == pytest.approx(sum(r.tokens for r in drafted_runs)
+                                                        / sum(r.seconds for r in drafted_runs))
     assert row["name"] == "qwen2-0.5b" and row["tokens_per_forward"] >= 1.0
+
+
+class _Fixed:
+    """A stand-in engine committing `length` tokens per completion in `seconds`."""
+
+    def __init__(self, length: int, seconds: float = 0.1):
+        self.length, self.seconds, self.spec_metrics = length, seconds, {}
+
+    def generate(self, batch, params, g):
+        from loomrl.platform.rollout.base import Rollout, RolloutResult
+
+        rollouts = [Rollout(i, 0, [5] * self.length, [0.0] * self.length, "length") for i in range(len(batch))]
+        return RolloutResult(rollouts, forwards=self.length, seconds=self.seconds, seq_forwards=self.length)
+
+    def observe(self, pid, completion):
+        pass
+
+
+def test_sampled_vllm_workload_refuses_engines_that_did_different_work():
+    """Sampled vLLM workloads cannot compare tokens; their committed totals must agree within 5%:
+    a drafted engine that stopped early would otherwise look faster."""
+    from loomrl.platform.rollout.base import Prompt, SamplingParams
+
+    batches = [[Prompt("a", [3, 4])]] * 3
+    w = B.Workload("sampled", SimpleNamespace(device=torch.device("cpu")), batches, SamplingParams(n=1, temperature=1.0), engine="vllm")
+    row = B._measure(w, _Fixed(16), _Fixed(16, seconds=0.05), seed=0)
+    assert row["speedup"] == pytest.approx(2.0)
+    with pytest.raises(RuntimeError, match="the drafting engine committed 48 tokens, the plain one 64"):
+        B._measure(w, _Fixed(16), _Fixed(12, seconds=0.05), seed=0)
 
 
 def test_unknown_workload_is_refused(capsys):

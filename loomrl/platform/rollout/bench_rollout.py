@@ -3,10 +3,11 @@
 Each workload builds one policy and two engines on it, one plain and one with the drafter
 as a recipe configures it by default (`rollout.drafter`, adaptive draft lengths), of the workload's
 kind (the built-in engine, or vLLM: two engines, one without speculative decoding), and times them
-on the same batches, alternating which goes first. Like an RL run, every batch's completions go
-into the drafter's history, and the drafting engine keeps its measured rates from batch to batch;
-one unmeasured round per engine comes first (histories, allocations, the controller's first
-choices). Workloads:
+on the same batches, each batch in ABBA order (plain, drafted, drafted, plain: each engine runs
+first once and second once, so neither gains from going second). Like an RL run, every batch's
+completions go into the drafter's history once, after the batch, and the drafting engine keeps its
+measured rates from batch to batch; one unmeasured round per engine comes first (histories,
+allocations, the controller's first choices). Workloads:
 
     demo           the demo policy (recipes/demo.yaml, freshly initialised) on the demo's prompts,
                    32 prompts x 8 samples x 16 tokens at temperature 1: outputs close to uniform,
@@ -28,8 +29,11 @@ choices). Workloads:
                    drafting (it pays most here), without any repeated prompt.
 
 Per workload: committed tokens per second plain and drafted (over all measured batches), the
-speed-up (the median over batches of drafted / plain, each pair run back to back, so a slow spell of
-a shared machine hits both), and the drafting engine's tokens per forward. `--json` ends with one line:
+speed-up (the median over batches of drafted / plain, each batch's four runs back to back, so a slow
+spell of a shared machine hits both), and the drafting engine's tokens per forward. Both engines
+must do the same work: the same tokens where the workload fixes them (the built-in engine with the
+same seed; greedy decoding), and where vLLM samples, total committed tokens within 5% of each other
+(the same distribution: a drafted engine that stopped early would otherwise look faster). `--json` ends with one line:
 `{"workloads": [{"name", "engine", "plain_tokens_per_s", "drafted_tokens_per_s", "speedup",
 "tokens_per_forward"}, ...]}`.
 """
@@ -69,7 +73,7 @@ class Workload:
                              "processors are refused with speculative decoding)")
 
 
-def demo_workload(prompts: int = 32, rounds: int = 41, engine: str = "torch") -> Workload:
+def demo_workload(prompts: int = 32, rounds: int = 21, engine: str = "torch") -> Workload:
     from loomrl.platform import recipe as R
     from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files, to_prompts
     from loomrl.platform.rollout.base import SamplingParams
@@ -83,8 +87,8 @@ def demo_workload(prompts: int = 32, rounds: int = 41, engine: str = "torch") ->
     return Workload("demo", model.eval(), [batch] * rounds, params, engine=engine)
 
 
-def vllm_demo_workload(prompts: int = 32, rounds: int = 21) -> Workload:
-    """The demo workload in vLLM (21 rounds: vLLM's batches are short, their times noisy)."""
+def vllm_demo_workload(prompts: int = 32, rounds: int = 11) -> Workload:
+    """The demo workload in vLLM (11 rounds of four runs: vLLM's batches are short, their times noisy)."""
     return demo_workload(prompts, rounds, engine="vllm")
 
 
@@ -195,39 +199,65 @@ def measure(w: Workload, seed: int = 0) -> dict:
                 engine.shutdown()
 
 
+ABBA = ("plain", "drafted", "drafted", "plain")  # each batch's runs: each engine first once, second once
+SAMPLED_WORK_TOLERANCE = 0.05  # sampled vLLM: the engines' committed tokens may differ by this share
+
+
 def _measure(w: Workload, plain, drafted, seed: int) -> dict:
     for pid, completion in w.history:
         drafted.observe(pid, completion)
+    engines = {"plain": plain, "drafted": drafted}
     tally = {"plain": [0, 0.0], "drafted": [0, 0.0]}
     forwards = 0
-    ratios = []  # per measured batch: drafted / plain tokens per second, the two run back to back
+    ratios = []  # per measured batch: drafted / plain tokens per second over its four runs
     for i, (batch, forced) in enumerate(zip(w.batches, w.forced)):
-        order = (("plain", plain), ("drafted", drafted)) if i % 2 else (("drafted", drafted), ("plain", plain))
-        rate, outputs = {}, {}
-        for name, engine in order:
+        runs = {"plain": [], "drafted": []}
+        for name in ABBA:
             g = torch.Generator(w.model.device).manual_seed(seed + i)
+            engine = engines[name]
             res = engine.generate(batch, w.params, g, forced) if forced is not None else engine.generate(batch, w.params, g)
-            rate[name] = res.tokens / res.seconds
-            outputs[name] = [r.completion_ids for r in res.rollouts]
-            if name == "drafted":
-                for r in res.rollouts:
-                    engine.observe(batch[r.prompt_index].id, r.completion_ids)
-            if i > 0:  # the first batch warms both engines up
-                tally[name][0] += res.tokens
-                tally[name][1] += res.seconds
-                forwards += res.seq_forwards if name == "drafted" else 0
-        # drafting never changes what is committed: the built-in engine commits the same tokens for the
-        # same seed, vLLM the same distribution (the same tokens when greedy)
-        if (w.engine == "torch" or w.params.temperature == 0) and outputs["drafted"] != outputs["plain"]:
-            raise RuntimeError(f"workload {w.name}, batch {i}: drafting committed other tokens than plain decoding")
-        if i > 0:
-            ratios.append(rate["drafted"] / rate["plain"])
+            runs[name].append(res)
+        _check_same_work(w, i, runs)
+        for r in runs["drafted"][0].rollouts:  # the batch's completions go into the history once, as in a run
+            drafted.observe(batch[r.prompt_index].id, r.completion_ids)
+        if i == 0:  # the first batch warms both engines up
+            continue
+        rate = {}
+        for name, results in runs.items():
+            tokens, seconds = sum(r.tokens for r in results), sum(r.seconds for r in results)
+            tally[name][0] += tokens
+            tally[name][1] += seconds
+            rate[name] = tokens / seconds
+        forwards += sum(r.seq_forwards for r in runs["drafted"])
+        ratios.append(rate["drafted"] / rate["plain"])
         log.info("%s: batch %d/%d, drafting %s", w.name, i + 1, len(w.batches), drafted.spec_metrics)
+    if not ratios:
+        raise ValueError(f"workload {w.name}: {len(w.batches)} batch(es); the first only warms up, so at least 2")
+    _check_same_total(w, tally)
     plain_tps = tally["plain"][0] / tally["plain"][1]
     drafted_tps = tally["drafted"][0] / tally["drafted"][1]
-    # the median of the paired ratios: a slow spell of a shared machine hits both runs of a pair
+    # the median of the batches' ratios: a slow spell of a shared machine hits all four runs of a batch
     return {"name": w.name, "engine": w.engine, "plain_tokens_per_s": plain_tps, "drafted_tokens_per_s": drafted_tps,
             "speedup": statistics.median(ratios), "tokens_per_forward": tally["drafted"][0] / max(1, forwards)}
+
+
+def _check_same_work(w: Workload, batch: int, runs: dict) -> None:
+    """Drafting never changes what is committed: the built-in engine commits the same tokens for the
+    same seed, vLLM the same tokens when greedy (when it samples: `_check_same_total`)."""
+    if w.engine != "torch" and w.params.temperature != 0:
+        return
+    outputs = [[r.completion_ids for r in res.rollouts] for name in ("plain", "drafted") for res in runs[name]]
+    if any(o != outputs[0] for o in outputs):
+        raise RuntimeError(f"workload {w.name}, batch {batch}: drafting committed other tokens than plain decoding")
+
+
+def _check_same_total(w: Workload, tally: dict) -> None:
+    """Sampled vLLM workloads: both engines sample the policy's distribution, so over the measured
+    batches they commit about as many tokens; a drafted engine that stops early would look faster."""
+    plain, drafted = tally["plain"][0], tally["drafted"][0]
+    if abs(drafted - plain) > SAMPLED_WORK_TOLERANCE * plain:
+        raise RuntimeError(f"workload {w.name}: the drafting engine committed {drafted} tokens, the plain one "
+                           f"{plain} (over {SAMPLED_WORK_TOLERANCE:.0%} apart): they did not do the same work")
 
 
 WORKLOADS = {"demo": demo_workload, "qwen2-0.5b": traced_workload, "vllm-demo": vllm_demo_workload,
