@@ -35,3 +35,36 @@ def assert_same_per_position(a: list[dict], b: list[dict], min_df: int) -> None:
         chi2, df = two_sample_chi2(ca, cb)
         assert df >= min_df
         assert chi2 < chi2_critical(df), f"position {pos}: chi2 {chi2:.1f} over {df} df"
+
+
+def fit_chi2(observed: dict, expected: dict, n: int, min_expected: float = 5.0) -> tuple[float, int, list]:
+    """Goodness-of-fit chi-square of n draws counted in observed {value: count} against the
+    probabilities expected {value: p} (values absent from expected are pooled with the rare ones,
+    those of expected count < min_expected, into one cell, itself merged into the smallest other
+    cell while its expected count is below min_expected). Returns chi2, df and the cells
+    (value, observed, expected), largest contribution first."""
+    keep = sorted((v for v, p in expected.items() if p * n >= min_expected), key=lambda v: -expected[v])
+    cells = [([v], observed.get(v, 0), expected[v] * n) for v in keep]
+    rest = (["rest"], n - sum(o for _, o, _ in cells), n - sum(e for _, _, e in cells))
+    while rest[2] < min_expected and cells:  # too small a cell for the chi-square: merge it
+        v, o, e = cells.pop()
+        rest = (v + rest[0], o + rest[1], e + rest[2])
+    cells.append(rest)
+    cells = [c for c in cells if c[2] > 1e-12 or c[1] > 0]
+    terms = [((o - e) ** 2 / e if e > 1e-12 else math.inf, v, o, e) for v, o, e in cells]
+    terms.sort(key=lambda t: -t[0])
+    return sum(t[0] for t in terms), len(cells) - 1, [(v, o, round(e, 1)) for _, v, o, e in terms]
+
+
+def assert_fits(observed: dict, expected: dict, n: int, what: str = "", min_df: int = 1) -> None:
+    """The counts pass the goodness-of-fit chi-square against expected at p = 0.001."""
+    chi2, df, cells = fit_chi2(observed, expected, n)
+    assert df >= min_df, f"{what}: {df} df, too few cells for the test to say anything"
+    assert chi2 < chi2_critical(df), f"{what}: chi2 {chi2:.1f} over {df} df; worst cells {cells[:4]}"
+
+
+def tally_prefixes(counts: dict, rollouts, depth: int) -> None:
+    """Add each rollout's first `depth` tokens (fewer where it ended: EOS) as a tuple to counts."""
+    for r in rollouts:
+        key = tuple(r.completion_ids[:depth])
+        counts[key] = counts.get(key, 0) + 1

@@ -1,8 +1,15 @@
 """The draft-length controller: it settles on the arm with the best measured rate, climbs to a
-long draft where drafting pays, and spends few forwards on arms that do not."""
+long draft where drafting pays, and spends few forwards on arms that do not; and the draft lengths
+it chooses leave the sampled tokens, and so their distribution, as without drafting."""
 import pytest
+import torch
 
-from loomrl.platform.rollout.draft_control import EXPLORE_MAX, DraftController, arms
+from chi_square import assert_fits, tally_prefixes
+from model_probs import prefix_probs
+from loomrl.platform.recipe import DrafterConfig, ModelConfig
+from loomrl.platform.rollout.base import Prompt, SamplingParams
+from loomrl.platform.rollout.draft_control import EXPLORE_MAX, Choice, DraftController, arms
+from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 
 ROWS = 100
 
@@ -88,3 +95,84 @@ def test_state_round_trip_in_the_middle_of_a_check():
     b = DraftController(8)
     b.load_state_dict(a.state_dict())
     assert [b.choose().k for _ in range(1)] == [a.choose().k] == [1] and b.state_dict() == a.state_dict()
+
+
+class Scripted(DraftController):
+    """The real controller (its observe() and summary()) choosing the arms of a fixed cycle, the tree
+    included, whatever the timings: the draft length changes every forward, deterministically."""
+
+    def __init__(self, k_max: int, tree_nodes: int, cycle: list[Choice]):
+        super().__init__(k_max, tree_nodes)
+        self.cycle, self.turn, self.used = cycle, 0, set()
+
+    def choose(self) -> Choice:
+        want = self.cycle[self.turn % len(self.cycle)]
+        self.turn += 1
+        self._pending = next(i for i, a in enumerate(self.arms) if (a.k, a.nodes) == want)
+        self.chosen.append(want)
+        self.used.add(want)
+        return want
+
+
+CYCLE = [Choice(4), Choice(4, 8), Choice(1), Choice(0), Choice(2), Choice(4, 8), Choice(2), Choice(4)]
+
+
+@pytest.fixture()
+def peaky_model(tokenizer):
+    """A random model whose next-token distributions are concentrated on a few tokens, so drafts
+    from earlier samples are often (not always) accepted (as in test_speculative.py)."""
+    from loomrl.platform.backbone.vlm import build_policy
+
+    return build_policy(ModelConfig(init_std=0.5), tokenizer, seed=3)
+
+
+def controlled_engine(model, prompts: list[Prompt], params: SamplingParams) -> TorchRolloutEngine:
+    """An adaptive engine (prefetching too) whose controller is `Scripted`, its histories warmed with
+    sampled completions so drafts are partly accepted."""
+    eng = TorchRolloutEngine(model, DrafterConfig(enabled=True, k=4, tree_nodes=8, prefetch_budget=4,
+                                                  max_history=64, max_history_tokens=10**6))
+    assert eng.control is not None
+    eng.control = Scripted(4, 8, CYCLE)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(2):
+        for r in eng.generate(prompts, params, g).rollouts:
+            eng.observe(prompts[r.prompt_index].id, r.completion_ids)
+    return eng
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (1.5, 0.9)])
+def test_draft_lengths_chosen_by_the_controller_leave_the_tokens_unchanged(peaky_model, temperature, top_p):
+    """With the controller changing the draft length (and single drafts vs trees) every forward, the
+    same seed commits the same tokens, with the same log-probs, as plain decoding: greedy and sampled
+    (position-keyed sampling: a token does not depend on how many were drafted around it)."""
+    prompts = [Prompt(f"p{i}", [8 + i, 9, 12 + 2 * i, 15, 20 + i], []) for i in range(4)]
+    params = SamplingParams(n=6, temperature=temperature, top_p=top_p, max_new_tokens=12)
+    eng = controlled_engine(peaky_model, prompts, SamplingParams(n=6, temperature=1.0, max_new_tokens=12))
+    a = TorchRolloutEngine(peaky_model).generate(prompts, params, torch.Generator().manual_seed(11))
+    b = eng.generate(prompts, params, torch.Generator().manual_seed(11))
+    eng.shutdown()
+    stats = eng.last_stats
+    assert eng.control.used == set(CYCLE) and 0 < sum(stats.accepted_by_pos) < sum(stats.drafted_by_pos)
+    assert b.forwards < a.forwards  # drafts were accepted
+    assert [r.completion_ids for r in a.rollouts] == [r.completion_ids for r in b.rollouts]
+    for x, y in zip(a.rollouts, b.rollouts):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+
+
+def test_sampled_tokens_follow_the_model_probabilities_under_the_controller(peaky_model):
+    """1500 completions (T = 1.5, top_p = 0.9) with the draft length changing every forward: their
+    first 4 tokens, jointly, against the model's own probabilities (model_probs: a full forward per
+    prefix, apart from the engine's sampling code), goodness of fit at p = 0.001."""
+    prompt = [Prompt("p0", [8, 9, 12, 15, 20], [])]
+    params = SamplingParams(n=500, temperature=1.5, top_p=0.9, max_new_tokens=4)
+    eng = controlled_engine(peaky_model, prompt, SamplingParams(n=30, temperature=1.5, top_p=0.9, max_new_tokens=4))
+    g = torch.Generator().manual_seed(1)
+    counts: dict = {}
+    accepted = 0
+    for _ in range(3):
+        tally_prefixes(counts, eng.generate(prompt, params, g).rollouts, 4)
+        accepted += sum(eng.last_stats.accepted_by_pos)
+    eng.shutdown()
+    assert eng.control.used == set(CYCLE) and accepted > 500  # drafting really happened, every arm
+    exact = prefix_probs(peaky_model, prompt[0].ids, 4, 1.5, 0.9, min_p=1 / 1500)
+    assert_fits(counts, exact, 1500, "first 4 tokens", min_df=10)

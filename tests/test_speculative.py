@@ -1,15 +1,18 @@
 """NgramRL in the built-in engine: exact speculative verification, prefetch fallback,
 bounded histories."""
 import random
+from collections import Counter
 
 import pytest
 import torch
 
-from chi_square import assert_same_per_position, tally_positions
+from chi_square import (assert_fits, assert_same_per_position, chi2_critical, tally_positions, tally_prefixes,
+                        two_sample_chi2)
+from model_probs import prefix_probs, reference_probs
 from loomrl.platform.recipe import DrafterConfig, ModelConfig
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.drafter import NgramDrafter, Tree, _split, grow_tree
-from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
+from loomrl.platform.rollout.torch_engine import TorchRolloutEngine, position_keyed_sample, target_probs
 from loomrl.platform.trajectory.batch import Trajectory, collate
 
 
@@ -72,13 +75,63 @@ def test_drafted_logprobs_equal_a_plain_forward(peaky_model, mode):
     torch.testing.assert_close(logp[m], mb.rollout_logp[m], atol=1e-5, rtol=1e-5)
 
 
+def keyed_draws(probs: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """[n, W]: position_keyed_sample on n rows, each with probs [W, V] at W consecutive positions from
+    a random start, and a seed drawn as the engine draws them."""
+    g = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(0, 1 << 62, (n,), generator=g)
+    positions = torch.randint(1, 512, (n, 1), generator=g) + torch.arange(probs.shape[0])
+    return position_keyed_sample(probs.expand(n, *probs.shape), seeds, positions)
+
+
+def test_position_keyed_sample_draws_the_given_probabilities():
+    """Goodness of fit of position_keyed_sample against known probabilities, not against itself:
+    20000 rows each drawing from p at one position and from q at the next (zeros included: never
+    drawn). Per position, and jointly against p x q: a sampler that skews the probabilities fails
+    the first, one whose uniform ignores the position (a row's tokens all from one uniform) the second."""
+    p = torch.tensor([0.30, 0.0, 0.20, 0.15, 0.10, 0.08, 0.0, 0.10, 0.05, 0.02])
+    q = torch.tensor([0.02, 0.05, 0.0, 0.40, 0.13, 0.10, 0.10, 0.0, 0.12, 0.08])
+    n = 20000
+    draws = [tuple(d) for d in keyed_draws(torch.stack([p, q]), n, seed=0).tolist()]
+    for col, dist in enumerate((p.tolist(), q.tolist())):
+        seen = Counter(d[col] for d in draws)
+        assert all(dist[t] > 0 for t in seen), f"position {col}: a token of probability 0 drawn"
+        assert_fits(seen, dict(enumerate(dist)), n, f"position {col}", min_df=6)
+    joint = {(a, b): pa * qb for a, pa in enumerate(p.tolist()) for b, qb in enumerate(q.tolist())}
+    assert_fits(Counter(draws), joint, n, "pairs", min_df=30)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.5, 1.0), (1.5, 0.8), (0.8, 0.6)])
+def test_sampling_draws_the_softmax_at_temperature_in_the_nucleus(peaky_model, temperature, top_p):
+    """The engine's sampling path on fixed logits (the model's token_logprobs at T, target_probs,
+    position_keyed_sample), 20000 draws, against softmax(logits / T) cut to the top-p nucleus as
+    model_probs computes it apart from the engine: goodness of fit at p = 0.001 and no token outside
+    the nucleus; then a two-sample test against torch.multinomial on those reference probabilities
+    (an independent sampler, the same logits). A sampler that squares the probabilities, ignores the
+    temperature or gets the nucleus one token off fails."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(peaky_model.language_model.lm_head.out_features, generator=g)
+    ref = reference_probs(logits, peaky_model.banned_token_ids, temperature, top_p)
+    probs = target_probs(peaky_model.token_logprobs(logits, temperature), temperature, top_p)
+    n = 20000
+    keyed = Counter(keyed_draws(probs[None], n, seed=1)[:, 0].tolist())
+    assert all(ref[t] > 0 for t in keyed), "a token outside the nucleus (or banned) drawn"
+    assert_fits(keyed, dict(enumerate(ref.tolist())), n, f"T {temperature}, top_p {top_p}", min_df=2)
+    multi = Counter(torch.multinomial(ref, n, replacement=True, generator=g).tolist())
+    chi2, df = two_sample_chi2(keyed, multi)
+    assert df >= 2 and chi2 < chi2_critical(df), f"vs torch.multinomial: chi2 {chi2:.1f} over {df} df"
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.5, 0.9)], ids=["plain", "top_p"])
 def test_sampling_distribution_unchanged_by_drafting(peaky_model, temperature, top_p, mode):
     """Two-sample chi-square on the token at each of the first 4 positions: 3000 samples
     with drafting vs 3000 without, fixed threshold p = 0.001 per position. `top_p`: a nucleus
     (top_p 0.9 at temperature 1.5): drafts are accepted against the truncated, renormalised
-    distribution, so every sampled token must stay inside it too."""
+    distribution, so every sampled token must stay inside it too. Both engines use the same
+    sampler, which that comparison alone cannot fault: first each engine's first 4 tokens (jointly)
+    are fitted to the model's own probabilities (model_probs: a full forward per prefix, apart from
+    the engine's sampling code)."""
     prompt = [Prompt("p0", [8, 9, 12, 15, 20], [])]
     params = SamplingParams(n=500, temperature=temperature, top_p=top_p, max_new_tokens=5)
     plain = TorchRolloutEngine(peaky_model)
@@ -86,13 +139,19 @@ def test_sampling_distribution_unchanged_by_drafting(peaky_model, temperature, t
                                                             adaptive=False, tree_nodes=MODES[mode]))
     warm(spec, prompt, SamplingParams(n=30, temperature=temperature, top_p=top_p, max_new_tokens=5), rounds=1, seed=9)
     counts = {"plain": [{} for _ in range(4)], "spec": [{} for _ in range(4)]}
+    prefixes: dict = {"plain": {}, "spec": {}}
     g = torch.Generator().manual_seed(1)
     accepted = 0
     for _ in range(6):
         for name, eng in (("plain", plain), ("spec", spec)):
-            tally_positions(counts[name], eng.generate(prompt, params, g).rollouts)
+            rollouts = eng.generate(prompt, params, g).rollouts
+            tally_positions(counts[name], rollouts)
+            tally_prefixes(prefixes[name], rollouts, 4)
         accepted += sum(spec.last_stats.accepted_by_pos)
     assert accepted > 1000  # drafting really happened
+    exact = prefix_probs(peaky_model, prompt[0].ids, 4, temperature, top_p, min_p=1 / 3000)
+    for name in ("plain", "spec"):
+        assert_fits(prefixes[name], exact, 3000, f"{name}: first 4 tokens", min_df=4)
     assert_same_per_position(counts["plain"], counts["spec"], min_df=1)
 
 
