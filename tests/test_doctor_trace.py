@@ -56,7 +56,55 @@ def _vllm_amx_bf16() -> bool:
     return torch.cpu._is_amx_tile_supported() and torch.cpu._is_avx512_bf16_supported()
 
 
-def test_trace_vllm_profile_equals_vllm_region_by_region(capsys, demo_shards):
+def _vllm_rotary_rounds_to_nearest() -> bool:
+    """Whether the `_C` build vLLM loads here rounds FP32 -> BF16 to nearest: on x86 only the
+    AVX512-BF16 build does; `_C_AVX512` / `_C_AVX2` truncate (tests/test_rounding_vllm.py)."""
+    import platform
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    return not x86 or (torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported())
+
+
+def check_vllm_first_divergence(first, amx_bf16: bool, rotary_rounds_to_nearest: bool) -> None:
+    """What the `vllm` setting's first divergence from vLLM may be on this CPU. With the AMX kernel:
+    none. Otherwise vLLM runs its `vec` attention kernel (FP32 probabilities), which the profile does
+    not reproduce, so the first difference must enter at an attention region: every region before
+    it (each norm, projection and RoPE of that layer and of every layer before, the embedding) is
+    bit for bit, and a difference first seen at a norm, after the last layer or in the logits is a
+    failure. Where vLLM's rotary op truncates (no AVX512-BF16), layer 0's RoPE is where it parts."""
+    if amx_bf16:
+        assert first is None, first
+    elif rotary_rounds_to_nearest:
+        assert first is None or (first["layer"] >= 0 and first["region"] == "attention"), first
+    else:
+        assert first is not None and (first["layer"], first["region"]) == (0, "rope"), first
+
+
+@pytest.fixture()
+def trained_norms(monkeypatch):
+    """The doctor's policy with the norm weights of a trained one (1 + 0.1 N(0, 1), fixed seed)
+    instead of a fresh policy's ones: with every weight 1 the rounding of RMSNorm's `* weight`
+    cannot show (vllm's and aligned's norms agree bit for bit there)."""
+    from loomrl.platform import parts
+
+    build = parts.build_policy_parts
+
+    def build_trained(recipe, seed=None):
+        tokenizer, chat, model = build(recipe, seed)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.language_model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+        return tokenizer, chat, model
+
+    monkeypatch.setattr(parts, "build_policy_parts", build_trained)
+
+
+def test_trace_vllm_profile_equals_vllm_region_by_region(capsys, demo_shards, trained_norms):
+    """The demo policy, its norm weights trained (`trained_norms`), through vLLM and the trainer: the
+    `vllm` setting equals vLLM in every region where this CPU runs the kernels it reproduces, and
+    elsewhere up to the first attention (`check_vllm_first_divergence`)."""
     d, _ = demo_shards
     rc = main(["doctor", str(ROOT / "recipes" / "demo.yaml"), f"data.shards={d}/*.tar", "rollout.max_new_tokens=8",
                "--prompts", "2", "--engine", "vllm", "--trace", "--json"])
@@ -67,11 +115,29 @@ def test_trace_vllm_profile_equals_vllm_region_by_region(capsys, demo_shards):
     rows = trace["settings"]["vllm"]["regions"]
     layers = 2  # recipes/demo.yaml
     assert len(rows) == 1 + 9 * layers + 3
-    native = trace["settings"]["native"]["first"]
+    firsts = {name: s["first"] and (s["first"]["layer"], s["first"]["region"])
+              for name, s in trace["settings"].items()}
     # native (transformers' rounding) parts from vLLM at the first RoPE: vLLM's rotary op rounds once
-    assert native is not None and (native["layer"], native["region"]) == (0, "rope")
-    if _vllm_amx_bf16():
-        assert trace["settings"]["vllm"]["first"] is None, trace["settings"]["vllm"]["first"]
-    else:  # vLLM's `vec` attention kernel here: the profile holds up to attention
-        first = trace["settings"]["vllm"]["first"]
-        assert first is None or REGIONS.index(first["region"]) >= REGIONS.index("attention") or first["layer"] != 0
+    assert firsts["native"] == (0, "rope")
+    # aligned parts at layer 0's input norm: vLLM rounds the normalised value before `* weight`, which
+    # shows only with trained norm weights (all 1 in a fresh policy: aligned would hold until the RoPE)
+    assert firsts["aligned"] == (0, "input_norm")
+    check_vllm_first_divergence(trace["settings"]["vllm"]["first"], _vllm_amx_bf16(),
+                                _vllm_rotary_rounds_to_nearest())
+
+
+def test_trace_fallback_lets_a_difference_enter_only_at_attention():
+    """The check above on CPUs without vLLM's AMX kernel (vLLM's `vec` kernel, or its truncating RoPE
+    build), which this host may not be: the first difference may be an attention region, never a norm,
+    a projection, the final norm or the logits, of any layer."""
+    for layer, region in [(0, "attention"), (1, "attention")]:
+        check_vllm_first_divergence({"layer": layer, "region": region}, False, True)
+    check_vllm_first_divergence(None, False, True)
+    check_vllm_first_divergence({"layer": 0, "region": "rope"}, False, False)
+    for layer, region, rounds_to_nearest in [(0, "rope", True), (0, "post_norm", True), (0, "mlp", True),
+                                             (1, "input_norm", True), (-1, "final_norm", True), (-1, "logits", True),
+                                             (0, "attention", False), (1, "rope", False)]:
+        with pytest.raises(AssertionError):
+            check_vllm_first_divergence({"layer": layer, "region": region}, False, rounds_to_nearest)
+    with pytest.raises(AssertionError):
+        check_vllm_first_divergence({"layer": 0, "region": "attention"}, True, True)
