@@ -159,10 +159,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
       accumulation, `* d**-0.5` in FP32; masked to -inf; `p = exp(s - rowmax)` in FP32; p rounded
       to the working dtype for `p v` (FP32 accumulation) while the row sum uses the FP32 p;
       `* (1 / sum)` in FP32; rounded once. This is the kernel bit for bit on all but ~1e-4 of
-      the elements, which are 1 BF16 ulp off (AMX's dot products are not a plain sequential FP32
-      sum; `tests/test_rounding_vllm.py`), and only while each row's maximum lies in its first
-      key tile or within 8 of it (the kernel rescales only when the running maximum grows by more
-      than 8; docs/vllm-cpu-numerics.md, section 5). It materialises the [B, H, T, S] scores in FP32.
+      the elements, which are off by at most 1 BF16 ulp at the scale of the values averaged
+      (sum of w |v|; an output that nearly cancels to zero can be several of its own ulps off),
+      because AMX's dot products are not a plain sequential FP32 sum (`tests/test_rounding_vllm.py`,
+      contexts of 5-400 keys with a rising row maximum, against tests/attention_reference.py).
+      It materialises the [B, H, T, S] scores in FP32.
 
     In FP32 (and wider) every mode is torch's SDPA, so the modes are bit-identical there; the
     vllm formula computes the same numbers to ~1e-7 (`tests/test_rounding.py`).
