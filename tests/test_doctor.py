@@ -53,7 +53,7 @@ def _hand_rounded_engine(model, prompts, params, generator=None):
             mask = mb.attention_mask.bool()
             logits = aligned_logits(policy.language_model, embeds, (mask.long().cumsum(-1) - 1).clamp(min=0), mask)
             logp = policy.token_logprobs(logits[:, :-1], params.temperature)
-            scored.extend(doctor._completion_logprobs(logp.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1), mb))
+            scored.extend(doctor.completion_logprobs(logp.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1), mb))
     return [Rollout(r.prompt_index, r.sample_index, r.completion_ids, s, r.finish_reason)
             for r, s in zip(rollouts, scored)]
 

@@ -73,7 +73,7 @@ def field_mapping(text: str) -> tuple[str, str]:
 
 def expand(patterns: list[str]) -> list[str]:
     """Shard files of glob / brace patterns (or plain paths the shell already expanded)."""
-    from loomrl.platform.recipe import expand_pattern
+    from loomrl.config.patterns import expand_pattern
 
     files: list[str] = []
     for p in patterns:

@@ -18,7 +18,8 @@ from typing import Callable, Iterator, Optional
 
 from loomrl.datasets.stream import ShardStream
 from loomrl.encoders.media import Medium, data_error, load_medium
-from loomrl.platform.recipe import ModelConfig, RecipeError
+from loomrl.config import RecipeError
+from loomrl.platform.backbone.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -89,7 +89,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     def __init__(self, shards: Union[str, list[str]], *, shuffle_buffer: int = 1000, seed: int = 0,
                  rank: Optional[int] = None, world_size: Optional[int] = None, epochs: Optional[int] = None,
                  max_member_bytes: int = MAX_MEMBER_BYTES):
-        from loomrl.platform.recipe import expand_pattern
+        from loomrl.config.patterns import expand_pattern
 
         self.files = expand_pattern(shards) if isinstance(shards, str) else sorted(shards)
         if not self.files:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from loomrl.platform.recipe import AudioConfig
+from loomrl.encoders.config import AudioConfig
 
 HOP = 160
 N_FFT = 400

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from loomrl.platform.recipe import ModelConfig
+from loomrl.platform.backbone.config import ModelConfig
 
 
 @dataclass

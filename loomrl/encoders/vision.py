@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from loomrl.platform.recipe import VisionConfig
+from loomrl.encoders.config import VisionConfig
 
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
 CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)

@@ -437,7 +437,7 @@ class WorkerSource:
 
 def main(argv: list[str] | None = None) -> int:
     """One process of a disaggregated run (under torchrun): a trainer rank or a rollout worker."""
-    from loomrl.cli import setup_logging
+    from loomrl.logs import setup_logging
 
     setup_logging()
     ap = argparse.ArgumentParser(prog="python -m loomrl.platform.disaggregated")

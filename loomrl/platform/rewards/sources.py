@@ -51,7 +51,7 @@ class Source:
 
 def build_sources(algorithm, device: torch.device | str = "cpu") -> list[Source]:
     """Sources of a recipe's `algorithm` section: `rewards` if given, else `reward` alone."""
-    from loomrl.platform.recipe import resolve_callable
+    from loomrl.platform.rewards.config import resolve_callable
 
     if not algorithm.rewards:
         return [Source(algorithm.reward.split(":")[-1], 1.0, fn=resolve_callable(algorithm.reward))]

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from loomrl.platform.recipe import DrafterConfig
+from loomrl.platform.rollout.config import DrafterConfig
 from loomrl.platform.rollout.drafter import NgramDrafter, Tree
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
 

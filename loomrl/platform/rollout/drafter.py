@@ -40,7 +40,7 @@ import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
-from loomrl.platform.recipe import DrafterConfig
+from loomrl.platform.rollout.config import DrafterConfig
 
 MAX_MATCH = 32          # backward match length is measured up to this many tokens
 MAX_OCCURRENCES = 64   # most recent occurrences of a key considered per lookup

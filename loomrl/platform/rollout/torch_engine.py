@@ -35,7 +35,7 @@ import torch
 
 from loomrl.platform.backbone.vlm import VLM
 from loomrl.platform.placement import to_device, to_host
-from loomrl.platform.recipe import DrafterConfig
+from loomrl.platform.rollout.config import DrafterConfig
 from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.draft_control import Choice, DraftController
 from loomrl.platform.rollout.drafter import Draft, NgramDrafter, Tree

@@ -60,7 +60,7 @@ import torch
 from loomrl.platform.backbone.lora import merged_state_dict
 from loomrl.platform.backbone.hf_io import (decoder_tensors, export_language_model, text_config,
                                             write_folder)
-from loomrl.platform.recipe import DrafterConfig, VLLMConfig
+from loomrl.platform.rollout.config import DrafterConfig, VLLMConfig
 from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.torch_engine import DraftStats
 from loomrl.platform.rollout import vllm_proposer as P

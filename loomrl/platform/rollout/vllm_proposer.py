@@ -37,7 +37,7 @@ import re
 import time
 from typing import Optional
 
-from loomrl.platform.recipe import DrafterConfig
+from loomrl.platform.rollout.config import DrafterConfig
 from loomrl.platform.rollout.draft_control import DraftController
 from loomrl.platform.rollout.drafter import DraftState, NgramDrafter
 

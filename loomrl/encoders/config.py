@@ -1,0 +1,68 @@
+"""Settings of the vision and audio towers and of the encoding cache (`model.vision`, `model.audio`,
+`model.encoders`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loomrl.config.schema import ranged
+
+
+@dataclass
+class VisionConfig:
+    """Qwen2-VL vision tower (transformers' Qwen2VisionTransformerPretrainedModel). With a Qwen2-VL /
+    Qwen2.5-VL `model.init_from`, the sizes are the checkpoint's (config.json's vision_config;
+    min/max_pixels: preprocessor_config.json's unless the recipe sets them)."""
+
+    depth: int = ranged(2, ge=1)
+    """Transformer blocks in the vision tower."""
+    embed_dim: int = ranged(64, ge=1)
+    """Width of the vision transformer."""
+    num_heads: int = ranged(4, ge=1)
+    """Attention heads in the vision tower."""
+    patch_size: int = ranged(14, ge=1)
+    """Spatial patch size in pixels (Qwen2-VL: 14)."""
+    temporal_patch_size: int = ranged(2, ge=1)
+    """Frames per patch; a still image is repeated to fill it (Qwen2-VL: 2)."""
+    spatial_merge_size: int = ranged(2, ge=1)
+    """Patches merged per side into one language token by the merger (Qwen2-VL: 2)."""
+    min_pixels: int = ranged(56 * 56, ge=1)
+    """Lower bound on resized image area (Qwen2-VL's smart_resize)."""
+    max_pixels: int = ranged(56 * 56, ge=1)
+    """Upper bound on resized image area; the demo keeps images at 56x56 = 4 tokens."""
+
+
+@dataclass
+class AudioConfig:
+    """Qwen2-Audio (Whisper-style) audio tower and its log-mel front end. With a Qwen2-Audio
+    `model.init_from`, the sizes are the checkpoint's (config.json's audio_config; clip_seconds
+    from its max_source_positions at sample_rate)."""
+
+    layers: int = ranged(2, ge=1)
+    """Transformer layers in the audio encoder."""
+    d_model: int = ranged(64, ge=1)
+    """Width of the audio encoder."""
+    num_heads: int = ranged(4, ge=1)
+    """Attention heads in the audio encoder."""
+    ffn_dim: int = ranged(128, ge=1)
+    """Feed-forward width in the audio encoder."""
+    num_mel_bins: int = ranged(80, ge=1)
+    """Mel bins of the log-mel spectrogram (Whisper: 80, Qwen2-Audio: 128)."""
+    sample_rate: int = ranged(16000, ge=1000)
+    """Audio is resampled to this rate, mono."""
+    clip_seconds: float = ranged(1.0, gt=0)
+    """Clips are padded or cut to this length; it fixes the encoder's positions
+    (100 mel frames per second, 4 frames per output token)."""
+
+
+@dataclass
+class EncoderConfig:
+    """How the vision and audio towers are run and cached."""
+
+    frozen: bool = False
+    """Freeze both towers (no gradients); their encodings are then cached across
+    steps in a bounded LRU keyed by content hash + encoder identity."""
+    cache_size: int = ranged(4096, ge=0)
+    """Encodings kept by the cross-step LRU when `frozen` (0 = no cross-step cache)."""
+    dedup: bool = True
+    """Encode each distinct medium once per mini-batch and route its gradient from
+    every micro-batch that uses it (false: encode every copy, the naive path)."""

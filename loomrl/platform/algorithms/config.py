@@ -1,0 +1,134 @@
+"""Settings of the RL algorithm (`algorithm`): GRPO / PPO / SFT, clipping, KL, importance correction,
+the reward sources; `validate_algorithm` checks the reward sources."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+from loomrl.config.schema import RecipeError, cut, is_file, ranged, show
+from loomrl.platform.rewards.config import RewardSourceConfig, resolve_callable
+
+
+@dataclass
+class ImportanceConfig:
+    """Importance correction for the rollout/trainer mismatch, per token:
+    ratio = exp(trainer's old logp - rollout engine's logp)."""
+
+    mode: Literal["none", "truncate", "mask"] = "none"
+    """`none`: weight 1 (the ratio is still reported); `truncate`: weight min(ratio, cap)
+    (TIS, Yao et al. 2025); `mask`: weight ratio inside [low, high], tokens outside dropped
+    (masked IS, as IcePop, Ling Team 2025)."""
+    cap: float = ranged(2.0, ge=1)
+    """Truncation cap of the ratio (`truncate`)."""
+    low: float = ranged(0.5, ge=0, le=1)
+    """Lower edge of the kept band (`mask`)."""
+    high: float = ranged(2.0, ge=1)
+    """Upper edge of the kept band (`mask`)."""
+
+
+@dataclass
+class PPOConfig:
+    """PPO's critic and advantages (used when algorithm.name is `ppo`)."""
+
+    critic: Literal["value_head", "separate"] = "value_head"
+    """`value_head`: a scalar head on the policy's final hidden states, trained with the
+    policy's optimizer; `separate`: a second model built like the policy (starting from
+    its weights) with a scalar head and its own optimizer."""
+    critic_lr: Optional[float] = ranged(None, gt=0)
+    """Learning rate of the separate critic (null: training.lr)."""
+    gamma: float = ranged(1.0, ge=0, le=1)
+    """Discount of GAE (Schulman et al. 2016)."""
+    lam: float = ranged(0.95, ge=0, le=1)
+    """GAE lambda: 1 = Monte Carlo returns, 0 = one-step TD."""
+    value_clip: float = ranged(0.2, ge=0)
+    """Clip range of the value update around the old values (0 = off)."""
+    value_coef: float = ranged(0.5, ge=0)
+    """Weight of the value loss added to the policy loss (`value_head` only)."""
+    whiten_advantages: bool = True
+    """Normalise the step's token advantages to mean 0, std 1."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL objective."""
+
+    name: Literal["grpo", "ppo", "sft"] = "grpo"
+    """Algorithm. `grpo`: group-relative advantages, PPO-clipped ratio (Shao et al. 2024).
+    `ppo`: a critic and GAE advantages, PPO-clipped ratio (Schulman et al. 2017); see `ppo`.
+    `sft`: supervised fine-tuning on the samples' answers (loss on answer tokens only, the chat
+    template's end-of-turn included), `training.prompts_per_step` samples per step; no rollouts
+    (the reward is used by validation only)."""
+    reward: str = "slot_match"
+    """Reward callable: a registry name (see loomrl.platform.rewards) or
+    `module:function`. Called as fn(completion: str, sample: dict) -> float."""
+    rewards: list[RewardSourceConfig] = field(default_factory=list)
+    """Weighted reward sources (callables, reward models, remote reward servers); when given, the reward
+    is their weighted sum and `reward` is not used."""
+    clip_eps: float = ranged(0.2, gt=0)
+    """PPO clip range of the probability ratio."""
+    clip_eps_low: Optional[float] = ranged(None, gt=0, lt=1)
+    """Lower clip range, ratio >= 1 - clip_eps_low (null: clip_eps)."""
+    clip_eps_high: Optional[float] = ranged(None, gt=0)
+    """Upper clip range, ratio <= 1 + clip_eps_high (null: clip_eps); larger than the
+    lower one is DAPO's "clip-higher" (Yu et al. 2025)."""
+    loss_norm: Literal["token", "sequence", "constant"] = "token"
+    """How token losses are averaged: `token` over all tokens of the mini-batch (DAPO),
+    `sequence` per sequence then over sequences (GRPO as published), `constant` sum /
+    (sequences x max_new_tokens), no length bias (Dr. GRPO, Liu et al. 2025)."""
+    kl_coef: float = ranged(0.0, ge=0)
+    """Weight of the KL penalty to the reference policy (the policy at the start of
+    RL); 0 disables it and the reference model."""
+    kl_placement: Literal["loss", "reward"] = "loss"
+    """`loss`: k3 KL estimator added to the loss (GRPO); `reward`: kl_coef x (logp_rollout -
+    logp_ref) subtracted from the reward, per token for PPO, summed per sequence for GRPO
+    (InstructGPT, Ouyang et al. 2022)."""
+    scale_rewards: bool = True
+    """Divide group advantages by the group's reward std (GRPO); false keeps
+    only the mean subtraction (Dr. GRPO)."""
+    epochs: int = ranged(1, ge=1)
+    """Passes over each step's rollouts (PPO epochs)."""
+    importance: ImportanceConfig = field(default_factory=ImportanceConfig)
+    """Rollout/trainer importance correction; its ratio is reported every step."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO's critic and GAE."""
+
+
+def validate_algorithm(a: AlgorithmConfig) -> None:
+    """Checks of the reward sources (each field's range, the importance band's included, is checked
+    at load)."""
+    import re
+
+    from loomrl.platform.rewards.remote import check_url
+
+    names = set()
+    for i, r in enumerate(a.rewards):
+        key = f"algorithm.rewards[{i}]"
+        if sum(x is not None for x in (r.fn, r.model, r.url)) != 1:
+            raise RecipeError(f"{key}: set exactly one of fn (a callable), model (a reward-model folder) and "
+                              f"url (a reward server)")
+        if r.pattern is not None:
+            if r.fn != "regex":
+                raise RecipeError(f"{key}.pattern: only the regex reward takes a pattern (fn: regex)")
+            try:
+                re.compile(r.pattern, re.DOTALL)
+            except (re.error, RecursionError, OverflowError, ValueError) as e:
+                raise RecipeError(f"{key}.pattern: {show(r.pattern)} is not a valid regular expression: "
+                                  f"{cut(str(e), 200)}") from None
+        elif r.fn == "regex":
+            raise RecipeError(f"{key}.pattern: fn: regex needs a pattern (the regular expression a completion "
+                              f"must fully match)")
+        if r.fn is not None:
+            resolve_callable(r.fn, f"{key}.fn", r)
+        elif r.url is not None:
+            try:
+                check_url(r.url)
+            except ValueError as e:
+                raise RecipeError(f"{key}.url: {cut(str(e), 300)}") from None
+        elif not is_file(str(Path(r.model) / "config.json")):
+            raise RecipeError(f"{key}.model: {show(r.model)} is not a local transformers model folder "
+                              f"(no config.json)")
+        name = r.source_name()
+        if name in names:
+            raise RecipeError(f"{key}: a second source named {show(name)}; give each a distinct `name`")
+        names.add(name)

@@ -1,0 +1,104 @@
+"""The package's import graph, read from the source with `ast`: no import cycle anywhere in
+`loomrl/` (imports inside functions count too: a cycle dodged by a local import is still one),
+and the config core (`loomrl/config/`) imports nothing else from loomrl."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "loomrl"
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the loomrl modules it imports (a `from pkg import name` names pkg.name when that
+    is a module, else pkg)."""
+    mods = modules()
+
+    def resolve(name: str) -> str:
+        while name not in mods and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name if name in mods else ""
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            graph[mod].update(t for t in map(resolve, targets) if t and t != mod and t.startswith("loomrl"))
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_the_graph_sees_imports_of_every_kind():
+    graph = import_graph()
+    assert "loomrl.platform.recipe" in graph["loomrl.platform.trainer"]  # `from loomrl.platform import recipe`
+    assert "loomrl.config.schema" in graph["loomrl.platform.recipe"]
+    assert "loomrl.platform.mismatch" in graph["loomrl.platform.trainer"]  # imported inside a method
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_config_core_imports_nothing_else_from_loomrl():
+    graph = import_graph()
+    for mod in (m for m in graph if m.startswith("loomrl.config")):
+        assert all(t.startswith("loomrl.config") for t in graph[mod]), (mod, graph[mod])
