@@ -103,7 +103,10 @@ def cmd_run(args) -> int:
         from loomrl.platform.disaggregated import launch
 
         return launch(recipe, run_args, out)
-    if recipe.training.engine != "torch":  # DeepSpeed / Megatron: a process group, torchrun above 1 process
+    from loomrl.platform.engines import TRAINING_ENGINES
+
+    distributed = TRAINING_ENGINES.get(recipe.training.engine).trait("distributed", False)
+    if distributed:  # DeepSpeed / Megatron: a process group, torchrun above 1 process
         from loomrl.platform.engines import launch as engines_launch
 
         if recipe.training.nproc > 1 and not engines_launch.launched():
@@ -132,7 +135,7 @@ def cmd_run(args) -> int:
         command = shlex.join(["loomrl", "run", args.recipe, *args.overrides, "--out", str(out), "--resume"])
         print(f"[run] {e}\nresume with: {command}", file=sys.stderr)
         return 130
-    if recipe.training.engine != "torch":
+    if distributed:
         engines_launch.finish()
         if rank != 0:  # rank 0 alone writes the run folder and reports
             return 0

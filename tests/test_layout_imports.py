@@ -1,6 +1,7 @@
 """The package's import graph, read from the source with `ast`: no import cycle anywhere in
-`loomrl/` (imports inside functions count too: a cycle dodged by a local import is still one),
-and the config core (`loomrl/config/`) imports nothing else from loomrl."""
+`loomrl/` (imports inside functions count too: a cycle dodged by a local import is still one;
+`if TYPE_CHECKING:` imports, for annotations only, do not), and the config core
+(`loomrl/config/`) imports nothing else from loomrl."""
 import ast
 from pathlib import Path
 
@@ -17,6 +18,11 @@ def modules() -> dict[str, Path]:
     return out
 
 
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
 def import_graph() -> dict[str, set[str]]:
     """module -> the loomrl modules it imports (a `from pkg import name` names pkg.name when that
     is a module, else pkg)."""
@@ -30,7 +36,12 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _type_checking(block.test)
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:  # `if TYPE_CHECKING:` imports are for annotations, never executed
+                continue
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

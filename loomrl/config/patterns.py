@@ -16,7 +16,7 @@ def _brace_count(pattern: str, limit: int) -> int:
     """How many patterns braceexpand(pattern) yields, counted without expanding (braceexpand
     builds every one in memory first), capped at limit + 1. Mirrors braceexpand's parser; raises
     ValueError on unbalanced braces, RecursionError on braces nested too deeply."""
-    from braceexpand import char_range_re, int_range_re, make_char_range
+    from braceexpand import char_range_re, int_range_re, make_char_range  # type: ignore[attr-defined]
 
     def pattern_count(p: str) -> int:
         total, start, depth, pos = 1, 0, 0, 0

@@ -72,6 +72,22 @@ def ranged(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = No
     return field(default=default, metadata={"range": rng})
 
 
+def choice(registry: Any, default: str) -> Any:
+    """A field naming a registered part (a rollout engine, a training engine, an algorithm): its
+    value must be one of `registry.names()`, read when a recipe is checked, so a part that
+    registers itself in its own module is accepted without editing the config; `loomrl recipe`
+    lists the names."""
+    return field(default=default, metadata={"choices": registry})
+
+
+def check_choice(value: Any, f: dataclasses.Field, path: str) -> None:
+    """A `choice` field's value is a registered name (the same message as a Literal's)."""
+    registry = f.metadata.get("choices")
+    if registry is not None and value not in registry.names():
+        raise RecipeError(f"{path}: {show(value)} is not allowed; allowed values: "
+                          + ", ".join(repr(a) for a in registry.names()))
+
+
 def type_name(tp: Any, rng: Optional[Range] = None) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -203,7 +219,9 @@ def convert(value: Any, tp: Any, path: str, rng: Optional[Range] = None) -> Any:
     raise RecipeError(f"{path}: unsupported field type {tp}")  # a bug in this file, not the recipe
 
 
-def build(cls: type, data: dict, prefix: str = "") -> Any:
+def build(cls: Any, data: dict, prefix: str = "") -> Any:
+    """An instance of the dataclass `cls` from a parsed YAML mapping (every key checked, see
+    the module docstring); `prefix` is the key path of `data`, for messages."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
@@ -215,6 +233,7 @@ def build(cls: type, data: dict, prefix: str = "") -> Any:
         if name in data:
             where = f"{prefix}.{name}" if prefix else name
             kwargs[name] = convert(data[name], hints[name], where, f.metadata.get("range"))
+            check_choice(kwargs[name], f, where)
     return cls(**kwargs)
 
 
@@ -269,17 +288,19 @@ def dump(recipe: Any) -> str:
     return yaml.safe_dump(to_dict(recipe), sort_keys=False)
 
 
-def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(key path, type, default, doc) for every field, read from this file's
-    docstrings; used to print the recipe reference."""
+def field_docs(cls: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, doc) for every field of the dataclass `cls` and of the dataclasses
+    it nests, the doc read from the string under each field where it is declared; used to print
+    the recipe reference."""
     import ast
     import inspect
 
     src = ast.parse(inspect.getsource(cls))
     docs: dict[str, str] = {}
-    body = src.body[0].body
+    body = src.body[0].body if isinstance(src.body[0], ast.ClassDef) else []
     for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
             docs[a.target.id] = " ".join(b.value.value.split())
     rows = []
     hints = typing.get_type_hints(cls)
@@ -292,5 +313,8 @@ def field_docs(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
             rows.extend(field_docs(inner[0], key + "."))
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append((key, type_name(tp, f.metadata.get("range")), repr(default), docs.get(f.name, "")))
+            shown = type_name(tp, f.metadata.get("range"))
+            if "choices" in f.metadata:
+                shown = " | ".join(repr(a) for a in f.metadata["choices"].names())
+            rows.append((key, shown, repr(default), docs.get(f.name, "")))
     return rows

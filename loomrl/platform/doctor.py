@@ -39,11 +39,10 @@ from typing import Callable, Optional
 
 import torch
 
-from loomrl.platform.backbone.config import ROUNDING_AUTO
 from loomrl.platform.backbone.rounding import SETTINGS
 from loomrl.platform.mismatch import (DTYPE, MICRO_BATCH, completion_logprobs, low_precision_copy, measure,  # noqa: F401
                                       mismatch, mismatch_metrics, policy_encodings, trainer_logprobs, trajectories)
-from loomrl.platform.rollout.base import Prompt, Rollout, SamplingParams
+from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, SamplingParams
 from loomrl.platform.trajectory.batch import micro_batches
 
 EngineFn = Callable[..., list[Rollout]]
@@ -144,7 +143,7 @@ def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: 
               "tokens": sum(len(t.completion_ids) for t in trajs), "settings": settings,
               # the setting to train with against this engine, and what `model.rounding: auto` picks for it
               "closest": min(settings, key=lambda name: settings[name]["mean_abs_dlogp"]),
-              "auto": ROUNDING_AUTO.get(engine)}
+              "auto": ROLLOUT_ENGINES.get(engine).trait("rounding") if engine in ROLLOUT_ENGINES else None}
     if trace:
         from loomrl.platform.doctor_trace import trace_vllm
 

@@ -92,6 +92,7 @@ import torch
 from torch import nn
 
 from loomrl.platform import recipe as R
+from loomrl.platform.algorithms import ALGORITHMS
 
 log = logging.getLogger("loomrl")
 
@@ -557,7 +558,7 @@ def make_plan(recipe: R.Recipe, recipe_path: Optional[str | Path] = None, gpu_me
         per_rank["policy_copy"] = c.total * 4
         how["policy_copy"] = (f"{c.total:,} params x 4 B: the trainer's float32 policy the rollouts use "
                               f"(reloaded from the engine after each step)")
-    if recipe.algorithm.kl_coef > 0 and recipe.algorithm.name != "sft":
+    if recipe.algorithm.kl_coef > 0 and not ALGORITHMS.get(recipe.algorithm.name).trait("supervised"):
         per_rank["reference"] = c.total * 4
         how["reference"] = f"{c.total:,} params x 4 B: the frozen reference policy (algorithm.kl_coef > 0)"
     per_rank["total"] = sum(per_rank.values())

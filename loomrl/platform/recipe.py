@@ -26,13 +26,16 @@ from loomrl.config.schema import (INT_MAX, SEED_MAX, Range, RecipeError, apply_o
                                   dump, is_dir, is_file, ranged, show, to_dict)
 from loomrl.datasets.config import DataConfig, DemoDataConfig, ValidationConfig
 from loomrl.encoders.config import AudioConfig, EncoderConfig, VisionConfig
+from loomrl.platform.algorithms import ALGORITHMS
 from loomrl.platform.algorithms.config import AlgorithmConfig, ImportanceConfig, PPOConfig, validate_algorithm
-from loomrl.platform.backbone.config import (LORA_TARGETS, ROUNDING_AUTO, ROUNDING_REGIONS, LoRAConfig, ModelConfig,
+from loomrl.platform.backbone.config import (DEFAULT_ROUNDING, LORA_TARGETS, ROUNDING_REGIONS, LoRAConfig, ModelConfig,
                                             RoundingConfig, resolve_rounding, validate_model)
 from loomrl.platform.backbone.hf_config import checkpoint_settings, fill_from_checkpoint
+from loomrl.platform.engines import TRAINING_ENGINES
 from loomrl.platform.engines.config import (ENCODER_PARTS, FREEZE_PARTS, DeepSpeedConfig, MegatronConfig,
                                            TrainingConfig, WarmupConfig)
 from loomrl.platform.rewards.config import RewardSourceConfig, resolve_callable
+from loomrl.platform.rollout import ROLLOUT_ENGINES
 from loomrl.platform.rollout.config import DrafterConfig, RolloutConfig, VLLMConfig
 from loomrl.platform.trajectory.config import PipelineConfig
 
@@ -41,7 +44,7 @@ __all__ = [  # the parts' configs and the config core, for `from loomrl.platform
     "check_pattern", "expand_pattern", "set_recipe_folder", "resolve_callable", "checkpoint_settings",
     "fill_from_checkpoint", "DataConfig", "DemoDataConfig", "ValidationConfig", "AudioConfig", "EncoderConfig",
     "VisionConfig", "AlgorithmConfig", "ImportanceConfig", "PPOConfig", "RewardSourceConfig", "LORA_TARGETS",
-    "ROUNDING_AUTO", "ROUNDING_REGIONS", "LoRAConfig", "ModelConfig", "RoundingConfig", "resolve_rounding",
+    "DEFAULT_ROUNDING", "ROUNDING_REGIONS", "ALGORITHMS", "ROLLOUT_ENGINES", "TRAINING_ENGINES", "LoRAConfig", "ModelConfig", "RoundingConfig", "resolve_rounding",
     "ENCODER_PARTS", "FREEZE_PARTS", "DeepSpeedConfig", "MegatronConfig", "TrainingConfig", "WarmupConfig",
     "DrafterConfig", "RolloutConfig", "VLLMConfig", "PipelineConfig", "LoggingConfig", "CheckpointConfig",
     "GoalConfig", "Recipe", "validate", "validate_algorithm", "validate_model", "validate_lora", "validate_freeze",
@@ -125,9 +128,10 @@ def validate_lora(r: Recipe) -> None:
     if "language_model" in r.training.freeze:
         raise RecipeError(f"training.freeze: language_model freezes the LoRA adapters too "
                           f"(model.lora.rank={lo.rank}); with LoRA the base weights are frozen already")
-    if r.training.engine == "megatron":
-        raise RecipeError(f"model.lora.rank: LoRA ({lo.rank}) needs training.engine torch or deepspeed; "
-                          f"megatron trains its own copy of the plain language model")
+    if not TRAINING_ENGINES.get(r.training.engine).trait("lora"):
+        able = " or ".join(n for n in TRAINING_ENGINES.names() if TRAINING_ENGINES.get(n).trait("lora"))
+        raise RecipeError(f"model.lora.rank: LoRA ({lo.rank}) needs training.engine {able}; "
+                          f"{r.training.engine} trains its own copy of the plain language model")
 
 
 def validate_freeze(r: Recipe) -> None:
@@ -156,42 +160,36 @@ def validate(r: Recipe) -> None:
         raise RecipeError(f"name: {show(r.name)} must be letters, digits, '.', '_' or '-' (at most 100, not "
                           f"starting with '.' or '-'): it names the default run folder runs/NAME-TIME")
     t = r.training
-    if t.engine == "torch" and t.nproc != 1:
-        raise RecipeError("training.nproc: the torch engine runs in one process; use training.engine "
-                          "deepspeed or megatron for more")
-    if t.engine != "torch" and r.algorithm.name == "ppo":
-        raise RecipeError(f"algorithm.name: ppo trains a value model (value head or separate critic) with the "
-                          f"torch engine only; training.engine={t.engine!r} trains the policy alone "
-                          f"(use grpo, or training.engine=torch)")
+    # what the chosen parts are, and what they refuse, is their registered traits
+    engine, rollout = TRAINING_ENGINES.get(t.engine), ROLLOUT_ENGINES.get(r.rollout.engine)
+    algorithm = ALGORITHMS.get(r.algorithm.name)
+    most = engine.trait("processes_max")
+    if most is not None and t.nproc > most:
+        more = " or ".join(n for n in TRAINING_ENGINES.names() if TRAINING_ENGINES.get(n).trait("processes_max") is None)
+        raise RecipeError(f"training.nproc: the {t.engine} engine runs in "
+                          f"{'one process' if most == 1 else f'at most {most} processes'}; use training.engine "
+                          f"{more} for more")
+    if algorithm.trait("advantages") == "critic" and not engine.trait("value_model"):
+        able = " or ".join(n for n in TRAINING_ENGINES.names() if TRAINING_ENGINES.get(n).trait("value_model"))
+        raise RecipeError(f"algorithm.name: {r.algorithm.name} trains a value model (value head or separate critic) "
+                          f"with the {able} engine only; training.engine={t.engine!r} trains the policy alone "
+                          f"(use grpo, or training.engine={able})")
     if t.deepspeed.zero_stage == 0 and (t.deepspeed.bf16 or t.deepspeed.offload_optimizer):
         raise RecipeError("training.deepspeed.zero_stage: bf16 and offload_optimizer need zero_stage >= 1")
-    if t.precision == "bf16" and t.engine == "deepspeed" and not t.deepspeed.bf16:
-        raise RecipeError("training.precision: bf16 with training.engine=deepspeed is DeepSpeed's own BF16 "
-                          "mode; set training.deepspeed.bf16=true as well (it decides that engine's precision)")
-    if t.precision == "bf16" and t.engine == "megatron":
-        raise RecipeError("training.precision: training.engine=megatron trains in FP32 only; use "
-                          "training.precision=fp32, or training.engine=torch / deepspeed for BF16")
     tp = t.megatron.tensor_parallel
     if t.nproc % tp:
         raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide training.nproc={t.nproc}")
-    if t.engine == "megatron" and (r.model.num_kv_heads % tp or r.model.intermediate_size % tp):
-        raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide model.num_kv_heads="
-                          f"{r.model.num_kv_heads} and model.intermediate_size={r.model.intermediate_size}")
-    resolve_rounding(r.model.rounding, r.rollout.engine)
+    if engine.trait("check") is not None:
+        engine.trait("check")(r)
+    resolve_rounding(r.model.rounding, rollout.trait("rounding"))
     validate_model(r.model)
     validate_freeze(r)
     validate_lora(r)
-    v = r.rollout.vllm
-    head_dim = r.model.hidden_size // r.model.num_heads
-    if r.rollout.engine == "vllm" and head_dim % 32:  # vLLM-CPU's attention kernels (and most GPU ones)
-        raise RecipeError(f"model.num_heads: rollout.engine=vllm needs a head size that is a multiple of 32; "
-                          f"hidden_size {r.model.hidden_size} / num_heads {r.model.num_heads} = {head_dim} "
-                          f"(e.g. model.num_heads={max(1, r.model.hidden_size // 32)})")
-    if r.rollout.engine == "vllm" and v.max_model_len <= r.rollout.max_new_tokens:
-        raise RecipeError(f"rollout.vllm.max_model_len: {v.max_model_len} leaves no room for the prompt "
-                          f"before rollout.max_new_tokens={r.rollout.max_new_tokens} generated tokens")
-    if r.rollout.n < 2 and r.algorithm.name == "grpo":
-        raise RecipeError("rollout.n: GRPO needs at least 2 samples per prompt")
+    if rollout.trait("check") is not None:
+        rollout.trait("check")(r)
+    least = algorithm.trait("min_samples", 1)
+    if r.rollout.n < least:
+        raise RecipeError(f"rollout.n: {r.algorithm.name.upper()} needs at least {least} samples per prompt")
     batch = r.training.prompts_per_step * r.rollout.n
     if r.training.prompts_per_step % r.training.mini_batches:  # a GRPO group is never split
         raise RecipeError(f"training.mini_batches: {r.training.prompts_per_step} prompts per step "
@@ -202,16 +200,17 @@ def validate(r: Recipe) -> None:
         check_pattern(r.validation.shards, "validation.shards")
     if r.goal is not None and r.goal.metric.startswith("val_") and r.validation.shards is None:
         raise RecipeError(f"goal.metric: {r.goal.metric} needs a validation split (validation.shards)")
-    if r.algorithm.name == "sft":
+    if algorithm.trait("supervised"):
+        name = f"algorithm.name={r.algorithm.name}"
         if r.pipeline.mode != "colocated":
-            raise RecipeError("pipeline.mode: algorithm.name=sft has no rollouts to disaggregate; use colocated")
+            raise RecipeError(f"pipeline.mode: {name} has no rollouts to disaggregate; use colocated")
         if t.warmup.steps:
-            raise RecipeError("training.warmup.steps: algorithm.name=sft is the supervised stage itself; "
+            raise RecipeError(f"training.warmup.steps: {name} is the supervised stage itself; "
                               "set its steps with training.steps")
         if r.algorithm.kl_coef:
-            raise RecipeError("algorithm.kl_coef: the KL penalty is an RL term; algorithm.name=sft has none")
+            raise RecipeError(f"algorithm.kl_coef: the KL penalty is an RL term; {name} has none")
         if r.goal is not None and r.goal.metric == "reward_mean":
-            raise RecipeError("goal.metric: algorithm.name=sft has no training reward; check val_reward_mean "
+            raise RecipeError(f"goal.metric: {name} has no training reward; check val_reward_mean "
                               "(with validation.shards)")
     resolve_callable(r.algorithm.reward)
     validate_algorithm(r.algorithm)

@@ -42,6 +42,7 @@ import torch
 
 from loomrl.platform import faults
 from loomrl.platform import recipe as R
+from loomrl.platform.algorithms import ALGORITHMS
 from loomrl.platform.algorithms.advantages import assign_advantages
 from loomrl.platform.algorithms.critic import ValueHead, build_critic
 from loomrl.platform.algorithms.losses import critic_loss_fn, policy_loss_fn, sft_loss
@@ -170,7 +171,8 @@ class Trainer:
         self.source = None
         self.log = None
         self.stop = StopRequest()  # SIGINT/SIGTERM: finish the step, checkpoint, stop
-        self.sft = recipe.algorithm.name == "sft"
+        self.algorithm = ALGORITHMS.get(recipe.algorithm.name)  # its traits: supervised, advantages
+        self.sft = bool(self.algorithm.trait("supervised"))
         self.val_samples: list = []
         self.validations: list[dict] = []  # {"step", "val_*"}: every validation of this run, in order
 
@@ -224,7 +226,7 @@ class Trainer:
 
         if r.algorithm.kl_coef > 0 and not self.sft:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        if r.algorithm.name == "ppo":
+        if self.algorithm.trait("advantages") == "critic":  # PPO: a value model
             ppo = r.algorithm.ppo
             if ppo.critic == "value_head":  # trained with the policy, by the policy's optimizer
                 self.value_head = ValueHead(model.language_model.cfg.hidden_size).to(model.device)

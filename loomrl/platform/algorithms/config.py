@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-from loomrl.config.schema import RecipeError, cut, is_file, ranged, show
+from loomrl.config.schema import RecipeError, choice, cut, is_file, ranged, show
+from loomrl.platform.algorithms.base import ALGORITHMS
 from loomrl.platform.rewards.config import RewardSourceConfig, resolve_callable
 
 
@@ -53,9 +54,11 @@ class PPOConfig:
 class AlgorithmConfig:
     """The RL objective."""
 
-    name: Literal["grpo", "ppo", "sft"] = "grpo"
+    name: str = choice(ALGORITHMS, "grpo")
     """Algorithm. `grpo`: group-relative advantages, PPO-clipped ratio (Shao et al. 2024).
     `ppo`: a critic and GAE advantages, PPO-clipped ratio (Schulman et al. 2017); see `ppo`.
+    `rloo`: leave-one-out baselines, A_i = r_i - mean of the group's other rewards (Ahmadian et
+    al. 2024), the same clipped ratio, no std scaling.
     `sft`: supervised fine-tuning on the samples' answers (loss on answer tokens only, the chat
     template's end-of-turn included), `training.prompts_per_step` samples per step; no rollouts
     (the reward is used by validation only)."""

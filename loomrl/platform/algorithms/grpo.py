@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from loomrl.platform.algorithms.base import ALGORITHMS
+
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """A_i = (r_i - mean(group)) / (std(group) + eps); rewards are ordered group by group.
@@ -19,6 +21,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     if scale:
         adv = adv / (r.std(dim=1, keepdim=True) + eps)  # unbiased std, as TRL and verl
     return adv.flatten()
+
+
+@ALGORITHMS.register("grpo", advantages="group", min_samples=2)
+def grpo_advantages(rewards: torch.Tensor, group_size: int, algorithm) -> torch.Tensor:
+    """GRPO's estimator: group-relative advantages, divided by the group's std unless
+    `algorithm.scale_rewards` is false."""
+    return group_advantages(rewards, group_size, algorithm.scale_rewards)
 
 
 def reduce_tokens(per_token: torch.Tensor, mask: torch.Tensor, mode: str, normaliser: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from loomrl.platform.algorithms.base import ALGORITHMS
 from loomrl.platform.algorithms.critic import Critic, ValueHead
 from loomrl.platform.algorithms.grpo import policy_loss
 from loomrl.platform.algorithms.importance import importance_weights
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # annotations only: the recipe composes this package's config
     from loomrl.platform import recipe as R
 
 
+@ALGORITHMS.register("sft", advantages=None, supervised=True)
 def sft_loss(model, mb) -> tuple[torch.Tensor, dict[str, float]]:
     """Negative log-likelihood of the completion tokens, per token of the mini-batch."""
     logp, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media)

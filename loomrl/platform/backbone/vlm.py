@@ -50,7 +50,7 @@ from loomrl.platform.backbone.rounding import Regions
 from loomrl.platform.backbone.mrope import rope_index
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER, media_layout
-from loomrl.platform.backbone.config import ROUNDING_AUTO, ModelConfig
+from loomrl.platform.backbone.config import DEFAULT_ROUNDING, ModelConfig
 from loomrl.platform.engines.config import ENCODER_PARTS, FREEZE_PARTS
 
 # Encodings for `embed`: by Medium.key (deduplicated), or one per media placement, row-major (naive).
@@ -116,7 +116,7 @@ class VLM(nn.Module):
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
             intermediate_size=cfg.intermediate_size, rope_theta=cfg.rope_theta,
             rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-            rounding=Regions(*(ROUNDING_AUTO["torch"] if m == "auto" else m for m in (
+            rounding=Regions(*(DEFAULT_ROUNDING if m == "auto" else m for m in (
                 # a recipe resolved `auto` by its rollout engine already; a ModelConfig alone: the built-in's
                 cfg.rounding.rope, cfg.rounding.swiglu, cfg.rounding.rmsnorm, cfg.rounding.attention)))))
         for m in [*([self.audio_projector] if self.audio_projector is not None else []),

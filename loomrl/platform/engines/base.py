@@ -13,6 +13,16 @@ Every engine (torch, deepspeed, megatron) has the same surface, used by the trai
 
     engine.supports_hook                           False: the engine ignores a MiniBatchHook
 
+An engine registers itself in `TRAINING_ENGINES` under the name `training.engine` takes, with
+`from_recipe(recipe, policy, params)` to build it and its traits, which recipe validation and
+the launcher read (docs/extending.md):
+
+    processes_max     most training processes it runs in (torch: 1); absent: any
+    distributed       it needs a process group (torchrun above one process)
+    value_model       it can train PPO's value model (value head or separate critic)
+    lora              it runs the policy's own modules, LoRA adapters included
+    check(recipe)     its own refusals (RecipeError naming the key), e.g. a tensor-parallel size
+
 Data parallelism: every rank rolls out its own share of a step's prompts and the
 ranks exchange the trajectories (`trajectory/sources.py`), so every rank holds the
 same mini-batch and trains on its share of the micro-batches (`rank_share`); each micro-batch loss is already normalised by
@@ -28,6 +38,12 @@ from typing import Callable, Iterator, Optional, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from loomrl.config.registry import Registry
+
+TRAINING_ENGINES: Registry = Registry("training engine", key="training.engine")
+"""The training engines by name (`training.engine`); filled by the engine modules, which the
+package imports."""
 
 LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, float]]]
 

@@ -6,7 +6,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loomrl.config.schema import SEED_MAX, ranged
+from loomrl.config.schema import SEED_MAX, choice, ranged
+from loomrl.platform.engines.base import TRAINING_ENGINES
 
 
 @dataclass
@@ -62,7 +63,7 @@ projector, applied after the encoding cache, still trains)."""
 class TrainingConfig:
     """The optimisation loop."""
 
-    engine: Literal["torch", "deepspeed", "megatron"] = "torch"
+    engine: str = choice(TRAINING_ENGINES, "torch")
     """Training engine. `torch`: single process, the embedded default. `deepspeed`: ZeRO
     (see `deepspeed`). `megatron`: megatron-core tensor + data parallel language model
     (see `megatron`). Rollouts run on a full HF-layout copy synced after every step."""

@@ -32,7 +32,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from loomrl.platform.engines.base import (LossFn, allreduce_stats, gather_rank_states, rank_share, rank_state,
+from loomrl.config import RecipeError
+from loomrl.platform.engines.base import (TRAINING_ENGINES, LossFn, allreduce_stats, gather_rank_states, rank_share, rank_state,
                                           world)
 
 
@@ -81,6 +82,18 @@ class _LossModule(nn.Module):
         return loss_fn(self.model, mb)
 
 
+def check_recipe(r) -> None:
+    """DeepSpeed's own rules: BF16 and optimizer offload need ZeRO stage 1 or more, and BF16 training
+    is DeepSpeed's BF16 mode (`training.deepspeed.bf16`)."""
+    t = r.training
+    if t.deepspeed.zero_stage == 0 and (t.deepspeed.bf16 or t.deepspeed.offload_optimizer):
+        raise RecipeError("training.deepspeed.zero_stage: bf16 and offload_optimizer need zero_stage >= 1")
+    if t.precision == "bf16" and not t.deepspeed.bf16:
+        raise RecipeError("training.precision: bf16 with training.engine=deepspeed is DeepSpeed's own BF16 "
+                          "mode; set training.deepspeed.bf16=true as well (it decides that engine's precision)")
+
+
+@TRAINING_ENGINES.register("deepspeed", distributed=True, value_model=False, lora=True, check=check_recipe)
 class DeepSpeedTrainEngine:
     supports_hook = False
 
@@ -106,6 +119,11 @@ class DeepSpeedTrainEngine:
         self.model = model
         self.params = params
         self._client_opt = opt
+
+    @classmethod
+    def from_recipe(cls, recipe, policy: nn.Module, params=None) -> "DeepSpeedTrainEngine":
+        """Trains its own copy of `policy` (its trainable parameters)."""
+        return cls(policy, recipe.training)
 
     def set_lr(self, lr: float) -> None:
         for groups in (self.optimizer.param_groups, self._client_opt.param_groups):

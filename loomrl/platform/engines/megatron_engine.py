@@ -44,7 +44,8 @@ from torch import nn
 from loomrl.platform.backbone import rounding
 from loomrl.platform.backbone.decoder import DecoderConfig, rope_cos_sin
 from loomrl.platform.engines import megatron_cpu_shims
-from loomrl.platform.engines.base import (LossFn, allreduce_grads, allreduce_stats, gather_rank_states,
+from loomrl.config import RecipeError
+from loomrl.platform.engines.base import (TRAINING_ENGINES, LossFn, allreduce_grads, allreduce_stats, gather_rank_states,
                                           rank_share, rank_state)
 from loomrl.platform.engines.megatron_convert import Dims, hf_to_megatron, megatron_to_hf, padded_vocab
 
@@ -237,8 +238,30 @@ class MegatronLM(nn.Module):
 # --------------------------------------------------------------------------- engine
 
 
+def check_recipe(r) -> None:
+    """Megatron's own rules: FP32 training, and a tensor-parallel size that divides the processes,
+    the KV heads and the MLP width."""
+    t = r.training
+    if t.precision == "bf16":
+        raise RecipeError("training.precision: training.engine=megatron trains in FP32 only; use "
+                          "training.precision=fp32, or training.engine=torch / deepspeed for BF16")
+    tp = t.megatron.tensor_parallel
+    if r.model.num_kv_heads % tp or r.model.intermediate_size % tp:
+        raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide model.num_kv_heads="
+                          f"{r.model.num_kv_heads} and model.intermediate_size={r.model.intermediate_size}")
+
+
+@TRAINING_ENGINES.register("megatron", distributed=True, value_model=False, lora=False, check=check_recipe)
 class MegatronTrainEngine:
     supports_hook = True  # plain autograd: the encoding-cache hook's single encoder backward works
+
+    @classmethod
+    def from_recipe(cls, recipe, policy: nn.Module, params=None) -> "MegatronTrainEngine":
+        """Trains its own megatron-core copy of `policy`'s language model (and the towers as they are)."""
+        from loomrl.platform.engines.launch import init_distributed
+
+        init_distributed()
+        return cls(policy, recipe.training)
 
     def __init__(self, policy: nn.Module, cfg, lr: float | None = None):
         """policy: the HF-layout VLM (its weights are copied; it is not trained here).

@@ -19,6 +19,7 @@ from typing import Callable, ContextManager, Iterator, Optional, Protocol
 import torch
 from torch import nn
 
+from loomrl.platform.engines.base import TRAINING_ENGINES
 from loomrl.platform.engines.config import TrainingConfig
 
 LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, float]]]
@@ -46,8 +47,14 @@ class MiniBatchHook(Protocol):
         """After the last micro-batch's backward, before clipping and the optimizer step."""
 
 
+@TRAINING_ENGINES.register("torch", processes_max=1, value_model=True, lora=True)
 class TorchTrainEngine:
     supports_hook = True  # runs a MiniBatchHook around the micro-batches (the encoding cache)
+
+    @classmethod
+    def from_recipe(cls, recipe, policy: nn.Module, params: list[nn.Parameter] | None = None) -> "TorchTrainEngine":
+        """Trains `policy` itself (`params`: the parameters to optimise, default every trainable one)."""
+        return cls(policy, recipe.training, params=params)
 
     def __init__(self, model: nn.Module, cfg: TrainingConfig, lr: float | None = None,
                  params: list[nn.Parameter] | None = None):

@@ -8,7 +8,16 @@ from typing import Iterable, Optional, Protocol
 
 import torch
 
+from loomrl.config.registry import Registry
 from loomrl.encoders.media import Medium
+
+ROLLOUT_ENGINES: Registry = Registry("rollout engine", key="rollout.engine")
+"""The rollout engines by name (`rollout.engine`), filled by the engine modules, which the package
+imports. An entry's object has `from_recipe(recipe, model)`; its traits: `rounding`, the
+`model.rounding` mode that `auto` takes with this engine (the BF16 trainer forward measured
+closest to it, docs/rounding.md), and `check(recipe)`, its own refusals (RecipeError naming the
+key). An engine may also have `sync_health(step, model, prompts, params) -> dict`, metrics that
+compare it with the trainer after a weight sync (docs/extending.md)."""
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loomrl.config.schema import ranged
+from loomrl.config.schema import choice, ranged
+from loomrl.platform.rollout.base import ROLLOUT_ENGINES
 
 
 @dataclass
@@ -82,7 +83,7 @@ class VLLMConfig:
 class RolloutConfig:
     """How rollouts are generated."""
 
-    engine: Literal["torch", "vllm"] = "torch"
+    engine: str = choice(ROLLOUT_ENGINES, "torch")
     """Rollout engine. `torch`: the built-in KV-cached engine (colocated with
     the trainer, shares its weights). `vllm`: vLLM serves the language model
     (media encoded by the trainer's towers, passed as prompt embeddings); weights

@@ -36,7 +36,7 @@ import torch
 from loomrl.platform.backbone.vlm import VLM
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.rollout.config import DrafterConfig
-from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
+from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.draft_control import Choice, DraftController
 from loomrl.platform.rollout.drafter import Draft, NgramDrafter, Tree
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
@@ -155,7 +155,13 @@ class DraftStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)]
 
 
+@ROLLOUT_ENGINES.register("torch", rounding="aligned")  # it samples from the FP32 policy: one rounding per region
 class TorchRolloutEngine:
+    @classmethod
+    def from_recipe(cls, recipe, model: VLM) -> "TorchRolloutEngine":
+        """The built-in engine on the trainer's own policy (shared, never synced)."""
+        return cls(model, recipe.rollout.drafter)
+
     def __init__(self, model: VLM, drafter_cfg: Optional[DrafterConfig] = None):
         self.model = model
         self.version = 0

@@ -47,7 +47,9 @@ child processes to orphan, ~2-3 s start on CPU. `shutdown()` stops its engine co
 """
 from __future__ import annotations
 
+import copy
 import gc
+import logging
 import os
 import shutil
 import tempfile
@@ -61,10 +63,13 @@ from loomrl.platform.backbone.lora import merged_state_dict
 from loomrl.platform.backbone.hf_io import (decoder_tensors, export_language_model, text_config,
                                             write_folder)
 from loomrl.platform.rollout.config import DrafterConfig, VLLMConfig
-from loomrl.platform.rollout.base import Prompt, Rollout, RolloutResult, SamplingParams
+from loomrl.config import RecipeError
+from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.torch_engine import DraftStats
 from loomrl.platform.rollout import vllm_proposer as P
 from loomrl.platform.placement import to_device, to_host
+
+log = logging.getLogger("loomrl")
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM-CPU attention kernels
 
@@ -185,7 +190,41 @@ class _RemoteDrafter:
         return int(self.engine.llm.collective_rpc(P.rpc_history_tokens)[0])
 
 
+def check_recipe(r) -> None:
+    """vLLM's own rules: a head size its attention kernels take, and room for a prompt."""
+    head_dim = r.model.hidden_size // r.model.num_heads
+    if head_dim % 32:  # vLLM-CPU's attention kernels (and most GPU ones)
+        raise RecipeError(f"model.num_heads: rollout.engine=vllm needs a head size that is a multiple of 32; "
+                          f"hidden_size {r.model.hidden_size} / num_heads {r.model.num_heads} = {head_dim} "
+                          f"(e.g. model.num_heads={max(1, r.model.hidden_size // 32)})")
+    v = r.rollout.vllm
+    if v.max_model_len <= r.rollout.max_new_tokens:
+        raise RecipeError(f"rollout.vllm.max_model_len: {v.max_model_len} leaves no room for the prompt "
+                          f"before rollout.max_new_tokens={r.rollout.max_new_tokens} generated tokens")
+
+
+@ROLLOUT_ENGINES.register("vllm", rounding="vllm", check=check_recipe)  # vLLM-CPU's own arithmetic
 class VLLMRolloutEngine:
+    @classmethod
+    def from_recipe(cls, recipe, model) -> "VLLMRolloutEngine":
+        """vLLM serving a synced copy of the policy's language model (media encoded by its towers)."""
+        ro = recipe.rollout
+        engine = cls(model, ro.vllm, ro.drafter, ro.temperature, ro.vllm.max_model_len, recipe.training.seed)
+        log.info("[rollout] vLLM engine started in %.1fs%s", engine.start_s,
+                 f"; drafting off: {engine.drafting_note}" if engine.drafting_note else "")
+        return engine
+
+    def sync_health(self, step: int, model, prompts: list, params: SamplingParams) -> dict:
+        """Every `rollout.vllm.health_every` steps, after the weight sync: two of the step's prompts
+        sampled again and their log-probs compared with the trainer's forward under the new weights."""
+        every = self.cfg.health_every
+        if not every or step % every:
+            return {}
+        params = copy.copy(params)
+        params.n = 2
+        gap = logprob_gap(self, model, prompts[:2], params, torch.Generator(model.device).manual_seed(step))[0]
+        return {"vllm_sync_logp_diff": gap}
+
     def __init__(self, model, cfg: Optional[VLLMConfig] = None, drafter_cfg: Optional[DrafterConfig] = None,
                  temperature: float = 1.0, max_model_len: int = 512, seed: int = 0):
         """model: the trainer's VLM (its towers encode media here; its language model is what

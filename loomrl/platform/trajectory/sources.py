@@ -327,16 +327,10 @@ class ColocatedSource:
     def end_step(self, step: int, version: int) -> dict:
         """Sync the rollout engine to the trained policy (colocated torch: shared module, a
         version bump; vLLM: streamed), then check vLLM against the trainer when asked."""
-        ro = self.recipe.rollout
         self.rollout.update_weights(None, version)
-        if ro.engine == "vllm" and ro.vllm.health_every and step % ro.vllm.health_every == 0:
-            from loomrl.platform.rollout.vllm_engine import logprob_gap  # vLLM vs trainer after the sync
-
-            params = copy.copy(self.params)
-            params.n = 2
-            self.metrics["vllm_sync_logp_diff"] = logprob_gap(
-                self.rollout, self.model, self.last_prompts[:2], params,
-                torch.Generator(self.model.device).manual_seed(step))[0]
+        health = getattr(self.rollout, "sync_health", None)  # e.g. vLLM against the trainer after the sync
+        if health is not None:
+            self.metrics.update(health(step, self.model, self.last_prompts, self.params))
         return self.metrics
 
     def accounting(self) -> dict:

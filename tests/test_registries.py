@@ -1,0 +1,86 @@
+"""Registries instead of name chains: a part is found by the name a recipe gives it, its traits
+decide what the recipe may combine it with, and a new part is one file and one registration.
+RLOO is the worked example (docs/extending.md), checked by hand."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from loomrl.config import RecipeError
+from loomrl.platform import recipe as R
+from loomrl.platform.algorithms import ALGORITHMS
+from loomrl.platform.algorithms.advantages import assign_advantages
+from loomrl.platform.algorithms.rloo import rloo_advantages
+from loomrl.platform.engines import TRAINING_ENGINES
+from loomrl.platform.rollout import ROLLOUT_ENGINES, build_rollout_engine
+
+DEMO = "recipes/demo.yaml"
+
+
+def test_rloo_baseline_is_the_mean_of_the_other_samples():
+    # group 1: rewards 1, 0, 0, 1 -> each baseline is the mean of the other three:
+    #   1 - (0 + 0 + 1) / 3 = 2/3;  0 - (1 + 0 + 1) / 3 = -2/3
+    # group 2: all 0.5 -> 0 everywhere (no signal, and no division by a zero spread)
+    # group 3: 3, 1, 2, 6 -> 3 - 9/3 = 0, 1 - 11/3 = -8/3, 2 - 10/3 = -4/3, 6 - 2 = 4
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 3.0, 1.0, 2.0, 6.0])
+    want = [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, 0.0, 0.0, 0.0, -8 / 3, -4 / 3, 4.0]
+    assert rloo_advantages(rewards, 4).tolist() == pytest.approx(want)
+    with pytest.raises(ValueError, match="groups of 4"):
+        rloo_advantages(torch.zeros(6), 4)
+
+
+def test_the_trainer_takes_the_registered_estimator_by_name():
+    """assign_advantages with algorithm.name rloo sets RLOO's advantages; grpo's differ (std-scaled)."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+
+    def run(name: str) -> list[float]:
+        trajs = [SimpleNamespace(advantage=None) for _ in range(4)]
+        mb = SimpleNamespace(trajectories=trajs, loss_mask=torch.ones(4, 3), ref_logp=None)
+        algorithm = R.AlgorithmConfig(name=name)
+        assign_advantages(algorithm, 4, rewards, trajs, [mb])
+        assert mb.advantages.tolist() == pytest.approx([t.advantage for t in trajs])
+        return [t.advantage for t in trajs]
+
+    assert run("rloo") == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    # GRPO: (r - 0.5) / (unbiased std sqrt(1/3) + 1e-6) = +-0.866025
+    assert run("grpo") == pytest.approx([0.866025, -0.866025, -0.866025, 0.866025], rel=1e-5)
+
+
+def test_recipes_name_what_is_registered():
+    assert {"torch", "deepspeed", "megatron"} <= set(TRAINING_ENGINES.names())
+    assert {"torch", "vllm"} <= set(ROLLOUT_ENGINES.names())
+    assert {"grpo", "ppo", "sft", "rloo"} <= set(ALGORITHMS.names())
+    with pytest.raises(RecipeError, match=r"algorithm.name: 'gpt' is not allowed; allowed values: 'grpo', 'ppo', "
+                                          r"'rloo', 'sft'"):
+        R.load_recipe(DEMO, ["algorithm.name=gpt"])
+    with pytest.raises(RecipeError, match="rollout.engine: unknown rollout engine 'gpt'; registered: torch, vllm"):
+        ROLLOUT_ENGINES.get("gpt")
+    # traits decide the combinations: RLOO needs groups, PPO a value model, the torch engine one process
+    with pytest.raises(RecipeError, match="rollout.n: RLOO needs at least 2 samples per prompt"):
+        R.load_recipe(DEMO, ["algorithm.name=rloo", "rollout.n=1"])
+    with pytest.raises(RecipeError, match="algorithm.name: ppo trains a value model"):
+        R.load_recipe(DEMO, ["algorithm.name=ppo", "training.engine=megatron", "training.nproc=2"])
+    assert R.load_recipe(DEMO, ["rollout.engine=vllm"]).model.rounding.attention == "vllm"  # its registered rounding
+
+
+@pytest.fixture()
+def echo_engine():
+    """A rollout engine added by one registration (what docs/extending.md shows), removed after."""
+    @ROLLOUT_ENGINES.register("echo", rounding="native")
+    class Echo:
+        @classmethod
+        def from_recipe(cls, recipe, model):
+            engine = cls()
+            engine.model, engine.n = model, recipe.rollout.n
+            return engine
+
+    yield Echo
+    ROLLOUT_ENGINES._entries.pop("echo")
+
+
+def test_a_new_rollout_engine_is_one_registration(echo_engine):
+    recipe = R.load_recipe(DEMO, ["rollout.engine=echo", "rollout.n=3"])
+    assert recipe.model.rounding.rope == "native"  # `auto` took its trait
+    engine = build_rollout_engine(recipe, model="the policy")
+    assert isinstance(engine, echo_engine) and (engine.model, engine.n) == ("the policy", 3)
+    assert "'echo'" in [row for row in R.field_docs() if row[0] == "rollout.engine"][0][1]  # listed by `loomrl recipe`
