@@ -1,2 +1,3 @@
 """loomrl: multimodal RL training platform."""
+
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 Each benchmark is a module with a `main(argv) -> int`; this file only dispatches.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -18,7 +19,6 @@ BENCHES = {
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHES:
-        print("usage: loomrl bench {" + ",".join(BENCHES) + "} [options]   (loomrl bench NAME -h)",
-              file=sys.stderr)
+        print("usage: loomrl bench {" + ",".join(BENCHES) + "} [options]   (loomrl bench NAME -h)", file=sys.stderr)
         return 2
     return importlib.import_module(BENCHES[argv[0]]).main(argv[1:])

@@ -1,4 +1,5 @@
 """The `loomrl` command line: run, report, export, recipe, plan, shards, bench."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from loomrl.logs import setup_logging
 
@@ -32,66 +34,25 @@ def lock_run_folder(out: Path):
     return f, None
 
 
+class Refused(Exception):
+    """`loomrl run` cannot go on: the message is printed as `error: ...` and the exit code is 2."""
+
+
 def cmd_run(args) -> int:
     from loomrl.platform import recipe as R
 
     try:
         recipe = R.load_recipe(args.recipe, args.overrides, files=not args.dry_run)
+        if args.dry_run:
+            return dry_run(recipe)
+        out, lock = run_folder(args, recipe)  # the lock is held while `lock` lives: this call's length
+        resume_from = resume_point(args, recipe, out)
     except R.RecipeError as e:
         print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        from loomrl.platform.parts import check_text_parts
-
-        try:
-            check_text_parts(recipe)  # the tokenizer, chat template and checkpoint's media tokens, as a run
-        except R.RecipeError as e:
-            print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
-            return 2
-        print(R.dump(recipe), end="")
-        for problem in R.file_problems(recipe):  # a recipe for another machine names its paths
-            print(f"# note: not on this machine: {problem}", file=sys.stderr)
-        print("# recipe OK", file=sys.stderr)
-        return 0
-    out = Path(args.out) if args.out else Path("runs") / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if args.resume_from and not args.out:
-        out = Path(args.resume_from).resolve().parent.parent  # RUN/checkpoints/step-N
-    child = "LOOMRL_NPROC_CHILD" in os.environ  # a rank under torchrun: the launcher checked and locked
-    resume = args.resume or args.resume_from
-    if args.resume and not args.out:
-        print("error: --resume needs --out DIR (the run folder to continue)", file=sys.stderr)
+    except Refused as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    if not child:
-        try:
-            existing = [p.name for p in out.iterdir() if p.name != ".lock"] if out.is_dir() else []
-            if existing and not resume:
-                print(f"error: {out} is not empty ({', '.join(sorted(existing)[:5])}); choose another --out, "
-                      f"or --resume the run in it", file=sys.stderr)
-                return 2
-            if existing and not (out / "recipe.yaml").is_file():
-                print(f"error: {out} holds no loomrl run (no recipe.yaml); nothing to resume", file=sys.stderr)
-                return 2
-            lock, holder = lock_run_folder(out)
-        except OSError as e:  # a read-only or unlistable folder, a file in the way, ...
-            print(f"error: cannot use {out} as the run folder: {e.strerror or e}"
-                  f"{f' ({e.filename})' if e.filename and str(e.filename) != str(out) else ''}", file=sys.stderr)
-            return 2
-        if lock is None:
-            print(f"error: {out} is in use by another loomrl run (pid {holder})", file=sys.stderr)
-            return 2
-    resume_from = None
-    if resume:
-        from loomrl.platform.checkpoint import latest_checkpoint
-
-        saved = out / "recipe.yaml"
-        text = saved.read_text(errors="replace") if saved.exists() else None
-        if text is not None and text != R.dump(recipe):
-            print(f"error: {saved} differs from this recipe and overrides; resume with the same recipe "
-                  f"(differences: {', '.join(recipe_diff(text, R.dump(recipe)))})", file=sys.stderr)
-            return 2
-        resume_from = Path(args.resume_from) if args.resume_from else latest_checkpoint(out / "checkpoints")
-        if resume_from is None:
-            print(f"[run] no checkpoint in {out}/checkpoints: starting from the beginning", file=sys.stderr)
     if recipe.training.nproc > 1 or recipe.pipeline.mode == "disaggregated":
         from loomrl.platform.parts import shard_files
 
@@ -103,19 +64,90 @@ def cmd_run(args) -> int:
         from loomrl.platform.disaggregated import launch
 
         return launch(recipe, run_args, out)
+    return train(args, recipe, out, resume_from, run_args)
+
+
+def dry_run(recipe) -> int:
+    """`--dry-run`: everything a run would refuse is refused (RecipeError); prints the resolved recipe."""
+    from loomrl.platform import recipe as R
+    from loomrl.platform.parts import check_text_parts
+
+    check_text_parts(recipe)  # the tokenizer, chat template and checkpoint's media tokens, as a run
+    print(R.dump(recipe), end="")
+    for problem in R.file_problems(recipe):  # a recipe for another machine names its paths
+        print(f"# note: not on this machine: {problem}", file=sys.stderr)
+    print("# recipe OK", file=sys.stderr)
+    return 0
+
+
+def run_folder(args, recipe):
+    """(the run folder, its lock): --out, the folder a --resume-from checkpoint is in, or
+    runs/NAME-TIME; checked (empty unless resuming, a loomrl run when resuming) and locked (the
+    lock is held until the returned file object is closed or collected: keep it), except in a rank
+    under torchrun, whose launcher did both (lock None). Refused when it cannot be used."""
+    out = Path(args.out) if args.out else Path("runs") / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.resume_from and not args.out:
+        out = Path(args.resume_from).resolve().parent.parent  # RUN/checkpoints/step-N
+    if args.resume and not args.out:
+        raise Refused("--resume needs --out DIR (the run folder to continue)")
+    if "LOOMRL_NPROC_CHILD" in os.environ:  # a rank under torchrun: the launcher checked and locked
+        return out, None
+    try:
+        existing = [p.name for p in out.iterdir() if p.name != ".lock"] if out.is_dir() else []
+        if existing and not (args.resume or args.resume_from):
+            raise Refused(
+                f"{out} is not empty ({', '.join(sorted(existing)[:5])}); choose another --out, "
+                f"or --resume the run in it"
+            )
+        if existing and not (out / "recipe.yaml").is_file():
+            raise Refused(f"{out} holds no loomrl run (no recipe.yaml); nothing to resume")
+        lock, holder = lock_run_folder(out)
+    except OSError as e:  # a read-only or unlistable folder, a file in the way, ...
+        raise Refused(
+            f"cannot use {out} as the run folder: {e.strerror or e}"
+            f"{f' ({e.filename})' if e.filename and str(e.filename) != str(out) else ''}"
+        ) from None
+    if lock is None:
+        raise Refused(f"{out} is in use by another loomrl run (pid {holder})")
+    return out, lock
+
+
+def resume_point(args, recipe, out: Path) -> Optional[Path]:
+    """The checkpoint to resume from (None: start from the beginning); a run folder whose saved
+    recipe differs from this one is refused."""
+    if not (args.resume or args.resume_from):
+        return None
+    from loomrl.platform import recipe as R
+    from loomrl.platform.checkpoint import latest_checkpoint
+
+    saved = out / "recipe.yaml"
+    text = saved.read_text(errors="replace") if saved.exists() else None
+    if text is not None and text != R.dump(recipe):
+        raise Refused(
+            f"{saved} differs from this recipe and overrides; resume with the same recipe "
+            f"(differences: {', '.join(recipe_diff(text, R.dump(recipe)))})"
+        )
+    resume_from = Path(args.resume_from) if args.resume_from else latest_checkpoint(out / "checkpoints")
+    if resume_from is None:
+        print(f"[run] no checkpoint in {out}/checkpoints: starting from the beginning", file=sys.stderr)
+    return resume_from
+
+
+def train(args, recipe, out: Path, resume_from: Optional[Path], run_args: list[str]) -> int:
+    """A colocated run in this process (and, for an engine that needs a process group, under
+    torchrun with training.nproc ranks); its summary and exit code."""
+    from loomrl.platform import recipe as R
     from loomrl.platform.engines import TRAINING_ENGINES
-
-    distributed = TRAINING_ENGINES.get(recipe.training.engine).trait("distributed", False)
-    if distributed:  # DeepSpeed / Megatron: a process group, torchrun above 1 process
-        from loomrl.platform.engines import launch as engines_launch
-
-        if recipe.training.nproc > 1 and not engines_launch.launched():
-            return engines_launch.launch(recipe.training.nproc, ["run", *run_args, "--out", str(out)])
-        engines_launch.init_distributed()
+    from loomrl.platform.engines import launch as engines_launch
     from loomrl.platform.engines.base import world
     from loomrl.platform.metrics import MetricsError
     from loomrl.platform.trainer import Interrupted, Trainer
 
+    distributed = TRAINING_ENGINES.get(recipe.training.engine).trait("distributed", False)
+    if distributed:  # DeepSpeed / Megatron: a process group, torchrun above 1 process
+        if recipe.training.nproc > 1 and not engines_launch.launched():
+            return engines_launch.launch(recipe.training.nproc, ["run", *run_args, "--out", str(out)])
+        engines_launch.init_distributed()
     rank = world()[0]  # now: an in-process vLLM tears the default group down when it shuts down
     try:
         result = Trainer(recipe, out, resume_from, args.max_steps).run()
@@ -128,8 +160,11 @@ def cmd_run(args) -> int:
     except ValueError as e:
         if resume_from is None:
             raise
-        print(f"error: cannot resume from {resume_from}: {e}\n"
-              f"an earlier checkpoint can be named with --resume-from {out}/checkpoints/step-N", file=sys.stderr)
+        print(
+            f"error: cannot resume from {resume_from}: {e}\n"
+            f"an earlier checkpoint can be named with --resume-from {out}/checkpoints/step-N",
+            file=sys.stderr,
+        )
         return 2
     except Interrupted as e:
         command = shlex.join(["loomrl", "run", args.recipe, *args.overrides, "--out", str(out), "--resume"])
@@ -169,8 +204,11 @@ def cmd_report(args) -> int:
     from loomrl.platform.report import write_comparison, write_report
 
     if (len(args.run_dir) > 1) != bool(args.out):
-        print("error: several run folders are overlaid into one --out FILE.png; one run folder gets its own "
-              "DIR/report.png (no --out)", file=sys.stderr)
+        print(
+            "error: several run folders are overlaid into one --out FILE.png; one run folder gets its own "
+            "DIR/report.png (no --out)",
+            file=sys.stderr,
+        )
         return 2
     try:
         if len(args.run_dir) > 1:
@@ -208,10 +246,12 @@ def cmd_recipe(args) -> int:
     if out is None:
         print(table, end="")
         return 0
-    header = ("Generated by `loomrl recipe --out docs/recipe.md` from the dataclasses in "
-              "`loomrl/platform/recipe.py`; do not edit by hand. A number must lie in the range beside its "
-              "type (checked when the recipe is loaded); NaN and infinities are always refused, and an "
-              "integer must fit in 64 bits.\n\n")
+    header = (
+        "Generated by `loomrl recipe --out docs/recipe.md` from the dataclasses in "
+        "`loomrl/platform/recipe.py`; do not edit by hand. A number must lie in the range beside its "
+        "type (checked when the recipe is loaded); NaN and infinities are always refused, and an "
+        "integer must fit in 64 bits.\n\n"
+    )
     Path(out).write_text(header + table)
     print(f"wrote {out}", file=sys.stderr)
     return 0
@@ -277,8 +317,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return importlib.import_module(GROUPS[argv[0]][0]).main(argv[1:])
     ap = argparse.ArgumentParser(
-        prog="loomrl", description="Multimodal RL training platform.",
-        epilog="more: " + "; ".join(f"loomrl {k} -h: {v[1]}" for k, v in GROUPS.items()))
+        prog="loomrl",
+        description="Multimodal RL training platform.",
+        epilog="more: " + "; ".join(f"loomrl {k} -h: {v[1]}" for k, v in GROUPS.items()),
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run a recipe: loomrl run RECIPE.yaml [key.path=value ...]")
     p.add_argument("recipe", help="YAML recipe file")
@@ -287,8 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved recipe")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     p.add_argument("--resume-from", metavar="CKPT", help="continue from this checkpoint folder (step-N)")
-    p.add_argument("--max-steps", type=steps_count, metavar="N",
-                   help="stop after N RL steps in total, with a checkpoint")
+    p.add_argument(
+        "--max-steps", type=steps_count, metavar="N", help="stop after N RL steps in total, with a checkpoint"
+    )
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("report", help="plot DIR/metrics.jsonl into DIR/report.png, or overlay several runs")
     p.add_argument("run_dir", nargs="+", help="a run folder; several: their curves overlaid (needs --out)")
@@ -298,26 +341,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="RUN/checkpoints/step-N, or a run folder RUN (its newest checkpoint)")
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights' dtype (default: the checkpoint's)")
-    p.add_argument("--modality", choices=["image", "audio", "text"],
-                   help="image: Qwen2-VL / Qwen2.5-VL, audio: Qwen2-Audio, text: Qwen2ForCausalLM "
-                        "(default: model.init_from's; needed without one)")
+    p.add_argument(
+        "--modality",
+        choices=["image", "audio", "text"],
+        help="image: Qwen2-VL / Qwen2.5-VL, audio: Qwen2-Audio, text: Qwen2ForCausalLM "
+        "(default: model.init_from's; needed without one)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("recipe", help="print the recipe reference (every key, type, default)")
     p.add_argument("--out", metavar="FILE", help="write it to FILE (docs/recipe.md) with a generated-file header")
     p.set_defaults(fn=cmd_recipe)
-    p = sub.add_parser("plan", help="per-rank GPU memory of a recipe (weights, gradients, optimizer, activations, "
-                                    "rollout) and whether it fits; exit 0 fits, 3 does not fit, 2 error")
+    p = sub.add_parser(
+        "plan",
+        help="per-rank GPU memory of a recipe (weights, gradients, optimizer, activations, "
+        "rollout) and whether it fits; exit 0 fits, 3 does not fit, 2 error",
+    )
     p.add_argument("recipe", help="YAML recipe file")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides (YAML values)")
     p.add_argument("--json", action="store_true", help="also print the plan as one JSON object, the last line")
-    p.add_argument("--gpu-memory", type=positive_gib, default=80.0, metavar="GIB",
-                   help="memory of one GPU in GiB (default 80)")
-    p.add_argument("--seq-len", type=positive_int, metavar="N",
-                   help="tokens per trained sequence (default: rollout.vllm.max_model_len with vLLM rollouts, "
-                        "else 512 + rollout.max_new_tokens)")
-    p.add_argument("--fused-attention", action="store_true",
-                   help="plan activations without the attention score matrix (a fused SDPA / flash kernel)")
+    p.add_argument(
+        "--gpu-memory", type=positive_gib, default=80.0, metavar="GIB", help="memory of one GPU in GiB (default 80)"
+    )
+    p.add_argument(
+        "--seq-len",
+        type=positive_int,
+        metavar="N",
+        help="tokens per trained sequence (default: rollout.vllm.max_model_len with vLLM rollouts, "
+        "else 512 + rollout.max_new_tokens)",
+    )
+    p.add_argument(
+        "--fused-attention",
+        action="store_true",
+        help="plan activations without the attention score matrix (a fused SDPA / flash kernel)",
+    )
     p.set_defaults(fn=cmd_plan)
     # Overrides may come after options (`run R.yaml --out D a.b=1`): collect them.
     args, extra = ap.parse_known_args(argv)

@@ -1,5 +1,6 @@
 """loomrl's log output: progress to stdout, warnings and errors to stderr, no prefixes. Every
 entry point (the `loomrl` command, a disaggregated role's process) calls `setup_logging` once."""
+
 from __future__ import annotations
 
 import logging

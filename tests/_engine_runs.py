@@ -1,4 +1,5 @@
 """Run tests/engines_worker.py under torchrun (2 processes) once per engine and test session."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,17 @@ WORKER = Path(__file__).with_name("engines_worker.py")
 
 def run_worker(engine: str, shard_dir: Path, out: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(WORKER), engine, str(shard_dir), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(WORKER),
+        engine,
+        str(shard_dir),
+        str(out),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"{engine} worker failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return json.loads(out.read_text())

@@ -5,6 +5,7 @@ probabilities before `p v`, the output once), by an explicit round-to-nearest-ev
 arithmetic of the kernel (and of the `vllm` mode) rounds intermediates that this keeps exact, so
 the two agree on all but a few elements, and those only by a probability on the other side of a
 BF16 rounding boundary: `within_one_ulp` bounds that."""
+
 import torch
 
 BF16 = torch.bfloat16
@@ -18,7 +19,7 @@ def round_bf16(x: torch.Tensor) -> torch.Tensor:
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     """One BF16 ulp at magnitude |x| (float64; normal range)."""
-    _, exponent = torch.frexp(x.abs().clamp_min(2.0 ** -126))
+    _, exponent = torch.frexp(x.abs().clamp_min(2.0**-126))
     return torch.ldexp(torch.ones_like(x), exponent - 8)
 
 

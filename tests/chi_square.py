@@ -1,4 +1,5 @@
 """The two-sample chi-square test the sampling-distribution tests share."""
+
 import math
 
 
@@ -16,8 +17,11 @@ def two_sample_chi2(a: dict, b: dict, min_count: int = 10) -> tuple[float, int]:
     if rare:
         cells.append((sum(a.get(t, 0) for t in rare), sum(b.get(t, 0) for t in rare)))
     na, nb = sum(x for x, _ in cells), sum(y for _, y in cells)
-    chi2 = sum((obs - (x + y) * n / (na + nb)) ** 2 / ((x + y) * n / (na + nb))
-               for x, y in cells for obs, n in ((x, na), (y, nb)))
+    chi2 = sum(
+        (obs - (x + y) * n / (na + nb)) ** 2 / ((x + y) * n / (na + nb))
+        for x, y in cells
+        for obs, n in ((x, na), (y, nb))
+    )
     return chi2, len(cells) - 1
 
 

@@ -54,3 +54,46 @@ def loomrl_log(caplog):
     yield caplog
     logger.removeHandler(caplog.handler)
     logger.propagate, logger.level = propagate, level
+
+
+# Test tiers. `make test-fast` leaves out the files below: their tests start real runs (the CLI,
+# torchrun ranks, vLLM engines, multi-step training) and take most of the suite's time; what is
+# left (unit tests of every part) runs in under 3 minutes on 2 cores. `make test` (CI) runs all.
+SLOW_FILES = {
+    "test_bench_demo.py",
+    "test_bench_rollout.py",
+    "test_compose.py",
+    "test_data_parallel.py",
+    "test_deepspeed_engine.py",
+    "test_demo_learns.py",
+    "test_disaggregated.py",
+    "test_doctor_trace.py",
+    "test_end_to_end.py",
+    "test_export.py",
+    "test_gpu_check.py",
+    "test_init_from.py",
+    "test_megatron_engine.py",
+    "test_memory_tools.py",
+    "test_own_task.py",
+    "test_own_task_errors.py",
+    "test_placement.py",
+    "test_ppo.py",
+    "test_reliability.py",
+    "test_resume.py",
+    "test_run_folder.py",
+    "test_sft_validation.py",
+    "test_vllm_engine.py",
+    "test_vllm_multimodal.py",
+    "test_vllm_qwen_vl.py",
+    "test_rounding_vllm.py",
+}
+# Learning tests timed with both cores of a 2-core machine (training.threads=2): run nothing beside them.
+TWO_CORE_FILES = {"test_demo_learns.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+        if item.path.name in TWO_CORE_FILES:
+            item.add_marker(pytest.mark.two_cores)

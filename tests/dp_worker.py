@@ -2,6 +2,7 @@
 a colocated trainer with DeepSpeed ZeRO-2 on 2 gloo ranks runs one RL step; each rank writes
 the prompts it rolled out itself, and rank 0 the step's trajectories, the full gradients
 the optimizer step received (gathered from the ZeRO partitions) and the updated policy."""
+
 import json
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ def record_gradients(engine) -> dict:
                 if g is not None:
                     grads[name] = g.detach().float().clone()
         return step(*args, **kwargs)
+
     engine.optimizer.step = record_then_step
     return grads
 
@@ -47,8 +49,17 @@ def main() -> None:
     trainer.step(0)
     (out / f"rank{rank}.json").write_text(json.dumps(trainer.source.generated_here))
     if rank == 0:
-        trajs = [{"prompt_id": t.prompt_id, "group": t.group, "completion_ids": t.completion_ids,
-                  "logp": t.rollout_logprobs, "reward": t.reward} for b in captured for t in b]
+        trajs = [
+            {
+                "prompt_id": t.prompt_id,
+                "group": t.group,
+                "completion_ids": t.completion_ids,
+                "logp": t.rollout_logprobs,
+                "reward": t.reward,
+            }
+            for b in captured
+            for t in b
+        ]
         (out / "trajectories.json").write_text(json.dumps(trajs))
         torch.save(dict(trainer.model.state_dict()), out / "policy.pt")
         torch.save(grads, out / "grads.pt")

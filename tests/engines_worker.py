@@ -9,6 +9,7 @@ exported weights, fresh engine, state loaded) next to the uninterrupted run; las
 memory tools (frozen parts + activation checkpointing) against the torch engine with the
 same parts frozen. Rank 0 writes every loss and grad norm to OUT.json; the tests compare them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,12 +26,12 @@ torch.set_num_threads(1)
 from loomrl.datasets.source import PromptSource  # noqa: E402
 from loomrl.datasets.stream import ShardStream  # noqa: E402
 from loomrl.platform import recipe as R  # noqa: E402
+from loomrl.platform.algorithms.losses import policy_loss_fn  # noqa: E402
 from loomrl.platform.backbone.tokenizer import load_tokenizer  # noqa: E402
 from loomrl.platform.backbone.vlm import build_policy  # noqa: E402
 from loomrl.platform.engines import launch  # noqa: E402
 from loomrl.platform.engines.base import allreduce_max, check_rank_agreement  # noqa: E402
 from loomrl.platform.engines.torch_engine import TorchTrainEngine  # noqa: E402
-from loomrl.platform.algorithms.losses import policy_loss_fn  # noqa: E402
 from loomrl.platform.trajectory.batch import Trajectory, micro_batches  # noqa: E402
 
 STEPS, STOP = 4, 2
@@ -50,8 +51,19 @@ def make_batches(recipe, policy, tokenizer, shard_dir):
         for g, s in enumerate(source.next(8)):
             for _ in range(4):
                 ids = [rng.choice(vocab) for _ in range(rng.randint(2, 6))]
-                trajs.append(Trajectory(s.id, g, s.ids, ids, s.media, [-rng.random() * 3 for _ in ids],
-                                        0.0, 0, advantage=rng.uniform(-1, 1)))
+                trajs.append(
+                    Trajectory(
+                        s.id,
+                        g,
+                        s.ids,
+                        ids,
+                        s.media,
+                        [-rng.random() * 3 for _ in ids],
+                        0.0,
+                        0,
+                        advantage=rng.uniform(-1, 1),
+                    )
+                )
         trajectories.append(trajs)
         mbs = micro_batches(trajs, policy.pad_token_id, 8)
         # old log-probs near the initial policy's: the clipped ratio, hence the loss, then
@@ -97,9 +109,14 @@ def rank_agreement(trajs, rank) -> dict:
 # Memory tools: parts frozen and activation checkpointing on; the reference is the torch engine
 # with the same parts frozen (no checkpointing). Megatron trains its language model alone (tensor
 # parallel): no layer input requires grad, which its reentrant recompute has to cope with.
-MEMORY = {"deepspeed": ("zero3_memory", {"deepspeed.zero_stage": 3}, ["vision", "merger"]),
-          "megatron": ("tp2_memory", {"megatron.tensor_parallel": 2},
-                       ["vision", "merger", "audio", "audio_projector", "embeddings"])}
+MEMORY = {
+    "deepspeed": ("zero3_memory", {"deepspeed.zero_stage": 3}, ["vision", "merger"]),
+    "megatron": (
+        "tp2_memory",
+        {"megatron.tensor_parallel": 2},
+        ["vision", "merger", "audio", "audio_projector", "embeddings"],
+    ),
+}
 
 
 def memory_tools(which, recipe, policy, batches, loss_fn, build) -> dict:
@@ -122,13 +139,17 @@ def memory_tools(which, recipe, policy, batches, loss_fn, build) -> dict:
     frozen_ids = {id(q) for part in parts for q in engine_parts[part]}
     trainable_ids = {id(q) for q in engine.model.parameters() if q.requires_grad}
     optimised = {id(q) for q in engine.params}
-    out[name + "_optimizer"] = {"frozen_in": len(optimised & frozen_ids), "frozen": len(frozen_ids),
-                                "trainable_missing": len(trainable_ids - optimised),
-                                "extra": len(optimised - trainable_ids)}
+    out[name + "_optimizer"] = {
+        "frozen_in": len(optimised & frozen_ids),
+        "frozen": len(frozen_ids),
+        "trainable_missing": len(trainable_ids - optimised),
+        "extra": len(optimised - trainable_ids),
+    }
     exported = dict(engine.export_weights())
     start = policy.state_dict()
-    names = {n for n, q in policy.named_parameters()
-             if any(q is f for part in parts for f in policy.parameter_parts()[part])}
+    names = {
+        n for n, q in policy.named_parameters() if any(q is f for part in parts for f in policy.parameter_parts()[part])
+    }
     out[name + "_frozen_names"] = len(names)
     out[name + "_frozen_maxdiff"] = max(float((exported[k] - start[k]).abs().max()) for k in names)
     out[name + "_weights_maxdiff"] = max(float((exported[k] - v).abs().max()) for k, v in ref.state_dict().items())
@@ -145,8 +166,10 @@ def main():
     policy = build_policy(recipe.model, tokenizer, seed=0)
     batches, trajectories = make_batches(recipe, policy, tokenizer, shard_dir)
     loss_fn = policy_loss_fn(recipe)
-    results = {"agreement": rank_agreement(trajectories[0], rank),
-               "max_over_ranks": allreduce_max(0.5 + rank)}  # is_ratio_max's reduction
+    results = {
+        "agreement": rank_agreement(trajectories[0], rank),
+        "max_over_ranks": allreduce_max(0.5 + rank),
+    }  # is_ratio_max's reduction
 
     ref = copy.deepcopy(policy)
     results["torch"] = train(TorchTrainEngine(ref, recipe.training), batches, loss_fn, hook_for=recipe)
@@ -160,8 +183,10 @@ def main():
 
         return MegatronTrainEngine(pol, cfg)
 
-    variants = {"deepspeed": [("zero2", {"deepspeed.zero_stage": 2}), ("zero3", {"deepspeed.zero_stage": 3})],
-                "megatron": [("tp2", {"megatron.tensor_parallel": 2}), ("tp1", {"megatron.tensor_parallel": 1})]}
+    variants = {
+        "deepspeed": [("zero2", {"deepspeed.zero_stage": 2}), ("zero3", {"deepspeed.zero_stage": 3})],
+        "megatron": [("tp2", {"megatron.tensor_parallel": 2}), ("tp1", {"megatron.tensor_parallel": 1})],
+    }
     for name, settings in variants[which]:
         cfg = copy.deepcopy(recipe.training)
         for key, value in settings.items():

@@ -1,6 +1,7 @@
 """The model's own token probabilities, computed here independently of the rollout engine's
 sampling code (no `target_probs`, no KV cache): the reference the sampling-distribution tests
 compare sampled tokens against."""
+
 import torch
 
 
@@ -28,8 +29,9 @@ def reference_probs(logits: torch.Tensor, banned: torch.Tensor, temperature: flo
 
 
 @torch.no_grad()
-def next_token_probs(model, prompt_ids: list[int], prefixes: list[tuple], temperature: float,
-                     top_p: float) -> torch.Tensor:
+def next_token_probs(
+    model, prompt_ids: list[int], prefixes: list[tuple], temperature: float, top_p: float
+) -> torch.Tensor:
     """[len(prefixes), V]: the model's distribution of the token after prompt + each prefix (text
     prompt, one full forward; all prefixes of one length, so no padding)."""
     ids = torch.tensor([list(prompt_ids) + list(p) for p in prefixes])
@@ -43,8 +45,9 @@ def next_token_probs(model, prompt_ids: list[int], prefixes: list[tuple], temper
     return reference_probs(logits[:, -1], model.banned_token_ids, temperature, top_p)
 
 
-def prefix_probs(model, prompt_ids: list[int], depth: int, temperature: float, top_p: float,
-                 min_p: float) -> dict[tuple, float]:
+def prefix_probs(
+    model, prompt_ids: list[int], depth: int, temperature: float, top_p: float, min_p: float
+) -> dict[tuple, float]:
     """Probability of each completion prefix of `depth` tokens (shorter: one that ends with EOS),
     for every prefix of probability >= min_p (the others are left out: a goodness-of-fit test pools
     them)."""

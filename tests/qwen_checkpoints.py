@@ -2,18 +2,37 @@
 tokenizer with the special tokens the Qwen processors look up, random weights saved in the
 hub layout, and a preprocessor config. Shared by test_vllm_multimodal and
 test_qwen_vl_checkpoint."""
+
 import json
 import os
 
 import torch
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-           "<|image_pad|>", "<|video_pad|>", "<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>"]
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+    "<|AUDIO|>",
+]
 VOCAB = 64
 # vLLM-CPU's attention needs head sizes that are multiples of 32 (64 / 2 heads); a large init
 # makes the output depend clearly on the media (see the "can fail" checks below).
-TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            intermediate_size=128, max_position_embeddings=512, initializer_range=0.2)
+TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+)
 
 
 # Qwen2-VL's chat template, without its tool and video branches: a default system turn, then
@@ -22,7 +41,8 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _tokenizer(folder, words=(), chat_template=None):
@@ -36,8 +56,13 @@ def _tokenizer(folder, words=(), chat_template=None):
     assert len(words) == VOCAB, "too many words for the tiny vocabulary"
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>", additional_special_tokens=SPECIAL[1:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL[1:],
+    )
     if chat_template is not None:
         fast.chat_template = chat_template
     fast.save_pretrained(folder)
@@ -58,20 +83,45 @@ def _qwen2_vl(folder, kind="qwen2_vl", vocab_size=VOCAB, words=(), chat_template
         vision = dict(depth=1, embed_dim=64, hidden_size=64, num_heads=2, mlp_ratio=2)
     else:  # Qwen2.5-VL: a windowed block and a full-attention block
         config_cls, model_cls = T.Qwen2_5_VLConfig, T.Qwen2_5_VLForConditionalGeneration
-        vision = dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=64,
-                      fullatt_block_indexes=[1], window_size=56)
+        vision = dict(
+            depth=2,
+            hidden_size=64,
+            num_heads=2,
+            intermediate_size=128,
+            out_hidden_size=64,
+            fullatt_block_indexes=[1],
+            window_size=56,
+        )
     cfg = config_cls(
-        text_config={**TEXT, "vocab_size": vocab_size, "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 4, 4]}},
+        text_config={
+            **TEXT,
+            "vocab_size": vocab_size,
+            "bos_token_id": eos,
+            "eos_token_id": eos,
+            "pad_token_id": eos,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 4, 4]},
+        },
         vision_config={**vision, "initializer_range": 0.2},
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], eos_token_id=eos)
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=eos,
+    )
     model = model_cls(cfg).eval()
     model.save_pretrained(folder)  # transformers 5.19 writes the Qwen2-VL family in the hub layout
     # small images: 56x56 .. 112x112 pixels -> 4 .. 16 image tokens
-    pre = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
-           "min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14, "temporal_patch_size": 2,
-           "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+    pre = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "min_pixels": 56 * 56,
+        "max_pixels": 112 * 112,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+    }
     with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
         json.dump(pre, f)
     return model

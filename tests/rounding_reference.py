@@ -1,6 +1,7 @@
 """A Qwen2 decoder forward written out by hand, in the working dtype of its inputs, with every
 rounding region (RoPE, SwiGLU, residual add + RMSNorm, attention) computed in FP32 and rounded once at its
 output: the documented meaning of `aligned`, written independently of the backbone's code."""
+
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +25,7 @@ def aligned_logits(dec, embeds: torch.Tensor, position_ids: torch.Tensor, key_ma
 
     def rope(x):
         xf = x.float()
-        rotated = torch.cat((-xf[..., d // 2:], xf[..., :d // 2]), -1)
+        rotated = torch.cat((-xf[..., d // 2 :], xf[..., : d // 2]), -1)
         return (xf * cos + rotated * sin).to(dt)
 
     mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & key_mask[:, None, None, :]
@@ -36,8 +37,9 @@ def aligned_logits(dec, embeds: torch.Tensor, position_ids: torch.Tensor, key_ma
         q = rope(linear(y, pre + "self_attn.q_proj").view(b, t, h, d).transpose(1, 2))
         k = rope(linear(y, pre + "self_attn.k_proj").view(b, t, kv, d).transpose(1, 2))
         v = linear(y, pre + "self_attn.v_proj").view(b, t, kv, d).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q.float(), k.repeat_interleave(h // kv, 1).float(),
-                                           v.repeat_interleave(h // kv, 1).float(), attn_mask=mask).to(dt)
+        a = F.scaled_dot_product_attention(
+            q.float(), k.repeat_interleave(h // kv, 1).float(), v.repeat_interleave(h // kv, 1).float(), attn_mask=mask
+        ).to(dt)
         a = linear(a.transpose(1, 2).reshape(b, t, h * d), pre + "self_attn.o_proj")
         y, residual = add_norm(a, residual, p[pre + "post_attention_layernorm.weight"])
         gate, up = linear(y, pre + "mlp.gate_proj"), linear(y, pre + "mlp.up_proj")

@@ -1,5 +1,6 @@
 """Admission keeps every quota: whole GRPO groups, groups per mini-batch, token budget,
 staleness; train_batch waits for a whole train batch; drops are counted with a reason."""
+
 import random
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 
 from loomrl.platform.trajectory.admission import Quota, admit, staleness
 from loomrl.platform.trajectory.batch import Trajectory
-from loomrl.platform.trajectory.bench_staleness import Workload, main as bench_main, simulate
+from loomrl.platform.trajectory.bench_staleness import Workload, simulate
+from loomrl.platform.trajectory.bench_staleness import main as bench_main
 from loomrl.platform.trajectory.store import TrajectoryStore
 
 torch.set_num_threads(1)
@@ -22,13 +24,18 @@ def traj(key: str, length: int, version: int) -> Trajectory:
 def test_admission_never_splits_a_group_nor_breaks_a_quota(policy, seed):
     rng = random.Random(seed)
     n = rng.choice([2, 3, 4])
-    quota = Quota(groups=rng.choice([1, 2, 3]), mini_batches=rng.choice([1, 2, 3]),
-                  max_tokens=rng.choice([0, 60, 120]), max_staleness=rng.choice([-1, 0, 2]))
+    quota = Quota(
+        groups=rng.choice([1, 2, 3]),
+        mini_batches=rng.choice([1, 2, 3]),
+        max_tokens=rng.choice([0, 60, 120]),
+        max_staleness=rng.choice([-1, 0, 2]),
+    )
     store = TrajectoryStore(n)
     version, admitted_keys = 0, set()
     # samples of many groups arrive interleaved and out of order, from several versions
-    arrivals = [(f"g{i}", rng.randint(1, 12), rng.randint(max(0, i // 4 - 3), i // 4)) for i in range(40)
-                for _ in range(n)]
+    arrivals = [
+        (f"g{i}", rng.randint(1, 12), rng.randint(max(0, i // 4 - 3), i // 4)) for i in range(40) for _ in range(n)
+    ]
     rng.shuffle(arrivals)
     for key, length, v in arrivals:
         store.put(traj(key, length, v), key)
@@ -79,8 +86,7 @@ def test_unadmittable_groups_are_dropped_with_a_reason():
 
 
 def test_train_batch_mini_batch_k_is_at_least_k_stale_in_the_simulation():
-    w = Workload(workers=2, groups_per_mini_batch=4, mini_batches=4, train_batches=2, n=2, median_len=20,
-                 max_len=200)
+    w = Workload(workers=2, groups_per_mini_batch=4, mini_batches=4, train_batches=2, n=2, median_len=20, max_len=200)
     tb, mb = simulate("train_batch", w, seed=1), simulate("mini_batch", w, seed=1)
     assert tb["mean_staleness"] >= (w.mini_batches - 1) / 2
     assert mb["mean_staleness"] < tb["mean_staleness"]
@@ -90,8 +96,26 @@ def test_train_batch_mini_batch_k_is_at_least_k_stale_in_the_simulation():
 
 
 def test_bench_prints_the_json_line(capsys):
-    assert bench_main(["--json", "--workers", "2", "--groups-per-mini-batch", "4", "--mini-batches", "4",
-                       "--train-batches", "1", "--n", "2", "--median-len", "20"]) == 0
+    assert (
+        bench_main(
+            [
+                "--json",
+                "--workers",
+                "2",
+                "--groups-per-mini-batch",
+                "4",
+                "--mini-batches",
+                "4",
+                "--train-batches",
+                "1",
+                "--n",
+                "2",
+                "--median-len",
+                "20",
+            ]
+        )
+        == 0
+    )
     import json
 
     line = capsys.readouterr().out.strip().splitlines()[-1]

@@ -6,11 +6,26 @@ from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
 def test_decoder_matches_transformers_qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = DecoderConfig(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=64, rope_theta=10000.0, tie_word_embeddings=True)
-    hf_cfg = Qwen2Config(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg = DecoderConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    hf_cfg = Qwen2Config(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(hf_cfg).eval()
     ours = Decoder(cfg)
@@ -34,7 +49,7 @@ def test_kv_cache_decoding_equals_full_forward_with_left_padding():
     logits, cache = dec(dec.embed(ids[:, :5]), pos[:, :5], mask[:, :5])
     steps = [logits[:, -1]]
     for t in range(5, 8):
-        logits, cache = dec(dec.embed(ids[:, t:t + 1]), pos[:, t:t + 1], mask[:, :t + 1], cache)
+        logits, cache = dec(dec.embed(ids[:, t : t + 1]), pos[:, t : t + 1], mask[:, : t + 1], cache)
         steps.append(logits[:, -1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 4:8], atol=1e-5, rtol=1e-5)
     # left padding does not change a row's logits

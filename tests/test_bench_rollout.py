@@ -1,6 +1,7 @@
 """`loomrl bench rollout`: the traced workload commits exactly the recorded completions (so its
 acceptance is the traces'), drafting finds them in the prompts' histories, and the report has
 the fields the README reads. A tiny decoder stands in for the Qwen2-0.5B shape here."""
+
 import json
 import subprocess
 import sys
@@ -45,6 +46,7 @@ def test_measure_runs_each_batch_abba_and_reports_the_median_of_batches(monkeypa
             res = generate(batch, params, g, forced)
             runs.append((name, res))
             return res
+
         engine.generate = run
         return engine
 
@@ -52,21 +54,23 @@ def test_measure_runs_each_batch_abba_and_reports_the_median_of_batches(monkeypa
     monkeypatch.setattr(B, "_engines", lambda w: (logged("plain", plain), logged("drafted", drafted)))
     row = B.measure(w)
     assert [name for name, _ in runs] == ["plain", "drafted", "drafted", "plain"] * 4
-    assert set(row) == {"name", "engine", "plain_tokens_per_s", "drafted_tokens_per_s", "speedup",
-                        "tokens_per_forward"}
+    assert set(row) == {"name", "engine", "plain_tokens_per_s", "drafted_tokens_per_s", "speedup", "tokens_per_forward"}
     results = [res for _, res in runs]
     ratios = []
     for b in range(1, 4):
-        p0, d0, d1, p1 = results[4 * b:4 * b + 4]
-        ratios.append((d0.tokens + d1.tokens) / (d0.seconds + d1.seconds)
-                      / ((p0.tokens + p1.tokens) / (p0.seconds + p1.seconds)))
+        p0, d0, d1, p1 = results[4 * b : 4 * b + 4]
+        ratios.append(
+            (d0.tokens + d1.tokens) / (d0.seconds + d1.seconds) / ((p0.tokens + p1.tokens) / (p0.seconds + p1.seconds))
+        )
     assert row["speedup"] == pytest.approx(sorted(ratios)[1])
     measured = results[4:]
     plain_runs, drafted_runs = measured[0::4] + measured[3::4], measured[1::4] + measured[2::4]
-    assert row["plain_tokens_per_s"] == pytest.approx(sum(r.tokens for r in plain_runs)
-                                                      / sum(r.seconds for r in plain_runs))
-    assert row["drafted_tokens_per_s"] == pytest.approx(sum(r.tokens for r in drafted_runs)
-                                                        / sum(r.seconds for r in drafted_runs))
+    assert row["plain_tokens_per_s"] == pytest.approx(
+        sum(r.tokens for r in plain_runs) / sum(r.seconds for r in plain_runs)
+    )
+    assert row["drafted_tokens_per_s"] == pytest.approx(
+        sum(r.tokens for r in drafted_runs) / sum(r.seconds for r in drafted_runs)
+    )
     assert row["name"] == "qwen2-0.5b" and row["tokens_per_forward"] >= 1.0
 
 
@@ -92,7 +96,13 @@ def test_sampled_vllm_workload_refuses_engines_that_did_different_work():
     from loomrl.platform.rollout.base import Prompt, SamplingParams
 
     batches = [[Prompt("a", [3, 4])]] * 3
-    w = B.Workload("sampled", SimpleNamespace(device=torch.device("cpu")), batches, SamplingParams(n=1, temperature=1.0), engine="vllm")
+    w = B.Workload(
+        "sampled",
+        SimpleNamespace(device=torch.device("cpu")),
+        batches,
+        SamplingParams(n=1, temperature=1.0),
+        engine="vllm",
+    )
     row = B._measure(w, _Fixed(16), _Fixed(16, seconds=0.05), seed=0)
     assert row["speedup"] == pytest.approx(2.0)
     with pytest.raises(RuntimeError, match="the drafting engine committed 48 tokens, the plain one 64"):

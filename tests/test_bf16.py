@@ -2,6 +2,7 @@
 and optimizer state, forwards under BF16 autocast with an FP32 log-softmax and loss, a loss and
 gradients close to FP32's on the same batch, a short CLI run, and the engine combinations the
 recipe refuses."""
+
 import copy
 import json
 import math
@@ -44,8 +45,9 @@ def loss_and_grad(model, mbs, precision):
 
 
 def test_token_logprobs_upcast_bf16_logits_to_fp32(model):
-    logits = torch.tensor([[1.0, 2.0, 3.5, -1.0] + [0.0] * (model.language_model.cfg.vocab_size - 4)],
-                          dtype=torch.bfloat16)
+    logits = torch.tensor(
+        [[1.0, 2.0, 3.5, -1.0] + [0.0] * (model.language_model.cfg.vocab_size - 4)], dtype=torch.bfloat16
+    )
     logp = model.token_logprobs(logits, 1.0)
     assert logp.dtype == torch.float32
     expected = logits.float().index_fill(-1, model.banned_token_ids, float("-inf")).log_softmax(-1)
@@ -95,8 +97,9 @@ def test_bf16_step_updates_fp32_master_weights_and_fp32_optimizer_state(model, b
         changed += not torch.equal(p.detach(), before[n])
     assert changed > len(before) // 2  # the update reached the FP32 weights (not a BF16 copy)
     state = engine.optimizer.state_dict()["state"]
-    assert state and all(v.dtype == torch.float32 for s in state.values()
-                         for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))
+    assert state and all(
+        v.dtype == torch.float32 for s in state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")
+    )
     # the same step in FP32 moves the same weights nearly the same way
     TorchTrainEngine(fp32, TrainingConfig(precision="fp32", lr=1e-3)).train_mini_batch(batch, sft_loss)
     step16 = torch.cat([(p.detach() - before[n]).flatten() for n, p in model.named_parameters()])
@@ -106,12 +109,29 @@ def test_bf16_step_updates_fp32_master_weights_and_fp32_optimizer_state(model, b
 
 def test_short_bf16_run_through_the_cli(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(out),
-               f"data.shards={tmp_path}/shards/demo-*.tar", "data.demo.samples=24", "rollout.max_new_tokens=8",
-               "training.precision=bf16", "training.warmup.steps=2", "training.warmup.batch_size=4", "training.steps=3",
-               "training.mini_batches=1", "training.prompts_per_step=4", "rollout.n=4", "goal=null", "logging.tensorboard=false",
-               "logging.progress=false", "algorithm.kl_coef=0.01",
-               "algorithm.reward=rewards_for_tests:distinct_words"])  # a reward that varies from the start
+    rc = main(
+        [
+            "run",
+            str(ROOT / "recipes" / "demo.yaml"),
+            "--out",
+            str(out),
+            f"data.shards={tmp_path}/shards/demo-*.tar",
+            "data.demo.samples=24",
+            "rollout.max_new_tokens=8",
+            "training.precision=bf16",
+            "training.warmup.steps=2",
+            "training.warmup.batch_size=4",
+            "training.steps=3",
+            "training.mini_batches=1",
+            "training.prompts_per_step=4",
+            "rollout.n=4",
+            "goal=null",
+            "logging.tensorboard=false",
+            "logging.progress=false",
+            "algorithm.kl_coef=0.01",
+            "algorithm.reward=rewards_for_tests:distinct_words",
+        ]
+    )  # a reward that varies from the start
     assert rc == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -128,10 +148,13 @@ def test_short_bf16_run_through_the_cli(tmp_path, capsys):
     assert len(warm) == 2 and all(math.isfinite(w["loss"]) for w in warm)
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["training.engine=deepspeed"], "training.precision: bf16 with training.engine=deepspeed"),
-    (["training.engine=megatron"], "training.precision: training.engine=megatron trains in FP32 only"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["training.engine=deepspeed"], "training.precision: bf16 with training.engine=deepspeed"),
+        (["training.engine=megatron"], "training.precision: training.engine=megatron trains in FP32 only"),
+    ],
+)
 def test_engine_combinations_are_refused_naming_the_key(overrides, needle):
     with pytest.raises(RecipeError) as e:
         load_recipe("recipes/demo.yaml", ["training.precision=bf16", *overrides])
@@ -139,8 +162,9 @@ def test_engine_combinations_are_refused_naming_the_key(overrides, needle):
 
 
 def test_accepted_combinations_and_bad_values():
-    r = load_recipe("recipes/demo.yaml", ["training.precision=bf16", "training.engine=deepspeed",
-                                          "training.deepspeed.bf16=true"])
+    r = load_recipe(
+        "recipes/demo.yaml", ["training.precision=bf16", "training.engine=deepspeed", "training.deepspeed.bf16=true"]
+    )
     assert r.training.precision == "bf16" and r.training.deepspeed.bf16
     assert load_recipe("recipes/demo.yaml", ["training.engine=megatron"]).training.precision == "fp32"
     with pytest.raises(RecipeError, match="training.precision: 'fp16' is not allowed"):

@@ -1,22 +1,28 @@
 """Chat templates (`data.chat_template`, `data.system_prompt`): prompts rendered as a user turn,
 media markers expanded inside it, completions stopping at the template's end-of-turn token."""
+
 import pytest
+from qwen_checkpoints import CHAT_TEMPLATE, _tokenizer
 
 from loomrl.platform.backbone.chat import ChatFormat
 from loomrl.platform.recipe import DataConfig, RecipeError
-from qwen_checkpoints import CHAT_TEMPLATE, _tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    return _tokenizer(tmp_path_factory.mktemp("tok"), words=["system", "user", "assistant", "what", "cat"],
-                      chat_template=CHAT_TEMPLATE)
+    return _tokenizer(
+        tmp_path_factory.mktemp("tok"),
+        words=["system", "user", "assistant", "what", "cat"],
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def test_renders_a_user_turn_and_stops_at_end_of_turn(tok):
     chat = ChatFormat(tok, DataConfig())
-    assert chat.render("<image>what") == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-                                          "<|im_start|>user\n<image>what<|im_end|>\n<|im_start|>assistant\n")
+    assert chat.render("<image>what") == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\n<image>what<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert chat.stop_token_id == tok.convert_tokens_to_ids("<|im_end|>") != tok.eos_token_id
 
 
@@ -29,8 +35,9 @@ def test_none_and_a_template_file(tok, tmp_path):
     plain = ChatFormat(tok, DataConfig(chat_template="none"))
     assert plain.render("<image>what") == "<image>what" and plain.stop_token_id == tok.eos_token_id
     path = tmp_path / "t.jinja"
-    path.write_text("{% for m in messages %}[{{ m['content'] }}]<|im_end|>{% endfor %}"
-                    "{% if add_generation_prompt %}>{% endif %}")
+    path.write_text(
+        "{% for m in messages %}[{{ m['content'] }}]<|im_end|>{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
     chat = ChatFormat(tok, DataConfig(chat_template=str(path)))
     assert chat.render("what") == "[what]<|im_end|>>"
     assert chat.stop_token_id == tok.convert_tokens_to_ids("<|im_end|>")
@@ -51,10 +58,11 @@ def test_media_expand_inside_the_turn_and_padding_is_never_sampled(tmp_path):
     """The policy's prompt ids: the template's tokens around `<|vision_start|>`, one placeholder
     per image token, `<|vision_end|>`; the end-of-turn token stops completions and Qwen's padding
     (which doubles as the base EOS) is banned once it no longer stops anything."""
+    from qwen_checkpoints import _qwen2_vl
+
     from loomrl.encoders.media import load_medium
     from loomrl.platform import recipe as R
     from loomrl.platform.parts import build_policy_parts
-    from qwen_checkpoints import _qwen2_vl
 
     _qwen2_vl(tmp_path, words=["system", "user", "assistant", "what", "cat"], chat_template=CHAT_TEMPLATE)
     # sizes and tokenizer come from the checkpoint, the chat template from its tokenizer (`auto`)
@@ -75,7 +83,14 @@ def test_media_expand_inside_the_turn_and_padding_is_never_sampled(tmp_path):
     ids = model.prompt_ids(tok, chat.render("<image>what"), [image])
     t = tok.convert_tokens_to_ids
     n = model.media_tokens(image)
-    user = [t("<|im_start|>"), t("user"), t("<|vision_start|>"), *[t("<|image_pad|>")] * n, t("<|vision_end|>"),
-            t("what"), end]
-    assert n >= 1 and user == ids[ids.index(t("user")) - 1:ids.index(end, ids.index(t("user"))) + 1]
+    user = [
+        t("<|im_start|>"),
+        t("user"),
+        t("<|vision_start|>"),
+        *[t("<|image_pad|>")] * n,
+        t("<|vision_end|>"),
+        t("what"),
+        end,
+    ]
+    assert n >= 1 and user == ids[ids.index(t("user")) - 1 : ids.index(end, ids.index(t("user"))) + 1]
     assert ids[-2:] == [t("<|im_start|>"), t("assistant")]

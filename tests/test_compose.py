@@ -2,6 +2,7 @@
 engine x algorithm x pipeline mode, each run for 3 RL steps, resumed to 4, and compared
 with an uninterrupted 4-step run (bit for bit in deterministic mode: every field that is
 not a timing or a per-process byte counter); `loomrl report` works on every run folder."""
+
 import json
 import os
 import subprocess
@@ -16,37 +17,87 @@ ROOT = Path(__file__).resolve().parent.parent
 # algorithm statistics such as clip_frac included, must be equal.
 TIMING_UNITS = ("_s", "_us")
 TIMING_RATIOS = ("trainer_idle_frac", "drafting_speedup")
-PER_PROCESS = ("transport_bytes_sent", "transport_bytes_received", "media_bytes_sent_to_workers",
-               "media_bytes_naive_to_workers", "vllm_sync_logp_diff")
+PER_PROCESS = (
+    "transport_bytes_sent",
+    "transport_bytes_received",
+    "media_bytes_sent_to_workers",
+    "media_bytes_naive_to_workers",
+    "vllm_sync_logp_diff",
+)
 
 CASES = {
-    "disaggregated-vllm-ppo": ["pipeline.mode=disaggregated", "pipeline.rollout_workers=1", "rollout.engine=vllm",
-                               "model.num_heads=2", "algorithm.name=ppo", "algorithm.epochs=2"],
-    "disaggregated-deepspeed-zero2-2ranks": ["pipeline.mode=disaggregated", "pipeline.rollout_workers=1",
-                                             "training.engine=deepspeed", "training.nproc=2",
-                                             "training.deepspeed.zero_stage=2", "algorithm.kl_coef=0.01"],
-    "colocated-megatron-tp2-vllm": ["training.engine=megatron", "training.nproc=2",
-                                    "training.megatron.tensor_parallel=2", "rollout.engine=vllm", "model.num_heads=2",
-                                    "algorithm.importance.mode=truncate", "algorithm.kl_coef=0.01",
-                                    "algorithm.kl_placement=reward"],
+    "disaggregated-vllm-ppo": [
+        "pipeline.mode=disaggregated",
+        "pipeline.rollout_workers=1",
+        "rollout.engine=vllm",
+        "model.num_heads=2",
+        "algorithm.name=ppo",
+        "algorithm.epochs=2",
+    ],
+    "disaggregated-deepspeed-zero2-2ranks": [
+        "pipeline.mode=disaggregated",
+        "pipeline.rollout_workers=1",
+        "training.engine=deepspeed",
+        "training.nproc=2",
+        "training.deepspeed.zero_stage=2",
+        "algorithm.kl_coef=0.01",
+    ],
+    "colocated-megatron-tp2-vllm": [
+        "training.engine=megatron",
+        "training.nproc=2",
+        "training.megatron.tensor_parallel=2",
+        "rollout.engine=vllm",
+        "model.num_heads=2",
+        "algorithm.importance.mode=truncate",
+        "algorithm.kl_coef=0.01",
+        "algorithm.kl_placement=reward",
+    ],
 }
 
 
 def cli(out: Path, shards: Path, extra: list[str], *options: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    args = [sys.executable, "-m", "loomrl.cli", "run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(out),
-            f"data.shards={shards}/*.tar", "data.demo=null", "training.steps=4", "training.warmup.steps=0",
-            "training.prompts_per_step=4", "training.mini_batches=2", "rollout.n=4", "rollout.max_new_tokens=8",
-            "training.threads=1", "rollout.drafter.compare_every=0", "logging.tensorboard=false", "goal=null",
-            "rollout.drafter.adaptive=false",  # adaptive draft lengths follow timings, and so do forward shapes
-            "algorithm.reward=rewards_for_tests:distinct_words", *extra, *options]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
+    args = [
+        sys.executable,
+        "-m",
+        "loomrl.cli",
+        "run",
+        str(ROOT / "recipes" / "demo.yaml"),
+        "--out",
+        str(out),
+        f"data.shards={shards}/*.tar",
+        "data.demo=null",
+        "training.steps=4",
+        "training.warmup.steps=0",
+        "training.prompts_per_step=4",
+        "training.mini_batches=2",
+        "rollout.n=4",
+        "rollout.max_new_tokens=8",
+        "training.threads=1",
+        "rollout.drafter.compare_every=0",
+        "logging.tensorboard=false",
+        "goal=null",
+        "rollout.drafter.adaptive=false",  # adaptive draft lengths follow timings, and so do forward shapes
+        "algorithm.reward=rewards_for_tests:distinct_words",
+        *extra,
+        *options,
+    ]
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def rows(out: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if not k.endswith(TIMING_UNITS) and k not in TIMING_RATIOS and k not in PER_PROCESS}
-            for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {
+            k: v
+            for k, v in json.loads(line).items()
+            if not k.endswith(TIMING_UNITS) and k not in TIMING_RATIOS and k not in PER_PROCESS
+        }
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def check_composes(tmp_path: Path, shards: Path, extra: list[str]) -> list[dict]:
@@ -66,8 +117,13 @@ def check_composes(tmp_path: Path, shards: Path, extra: list[str]) -> list[dict]
     for a, b in zip(want, got, strict=True):
         assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
     for run in ("full", "resumed"):
-        rep = subprocess.run([sys.executable, "-m", "loomrl.cli", "report", str(tmp_path / run)], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+        rep = subprocess.run(
+            [sys.executable, "-m", "loomrl.cli", "report", str(tmp_path / run)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert rep.returncode == 0 and (tmp_path / run / "report.png").is_file(), rep.stderr
     return want
 
@@ -80,8 +136,19 @@ def test_qwen2_vl_checkpoint_with_vllm_rollouts_and_drafting(tmp_path, demo_shar
     folder = tmp_path / "qwen2-vl"
     _qwen2_vl(str(folder), "qwen2_vl", vocab_size=PADDED)
     d, _ = demo_shards
-    want = check_composes(tmp_path, d, ["rollout.engine=vllm", "rollout.drafter.enabled=true", "rollout.drafter.adaptive=false", f"model.init_from={folder}",
-                                        f"model.tokenizer={folder}", *OVERRIDES, "training.micro_batch_size=8"])
+    want = check_composes(
+        tmp_path,
+        d,
+        [
+            "rollout.engine=vllm",
+            "rollout.drafter.enabled=true",
+            "rollout.drafter.adaptive=false",
+            f"model.init_from={folder}",
+            f"model.tokenizer={folder}",
+            *OVERRIDES,
+            "training.micro_batch_size=8",
+        ],
+    )
     # vLLM's M-RoPE positions are the trainer's: pi_old under the trainer / pi_rollout is 1 on every token
     assert all(abs(r["is_ratio_mean"] - 1) < 1e-4 and r["is_ratio_max"] < 1 + 1e-3 for r in want)
     assert sum(r["vllm_draft_tokens"] for r in want) > 0  # NgramRL drafts inside vLLM
@@ -95,7 +162,10 @@ def test_resume_equals_uninterrupted(tmp_path, demo_shards, case):
     if "ppo" in case:
         assert all("value_loss" in r for r in want)
     if "disaggregated" in case:
-        assert all(r["trajectories_generated"] == r["trajectories_trained"] + r["trajectories_dropped"]
-                   + r["trajectories_pending"] for r in want)
+        assert all(
+            r["trajectories_generated"]
+            == r["trajectories_trained"] + r["trajectories_dropped"] + r["trajectories_pending"]
+            for r in want
+        )
     if "kl_coef=0.01" in CASES[case]:
         assert all("kl" in r or "kl_reward_mean" in r for r in want)

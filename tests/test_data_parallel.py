@@ -6,6 +6,7 @@ training on the whole batch.
 after it: Adam's first step moves each weight by about lr x sign(g) whatever the gradient's
 scale, so a sum instead of a mean over the ranks, or a per-rank token normaliser, would leave
 the weights equal. Gradient clipping is off for the same reason (it rescales a gradient)."""
+
 import json
 import os
 import subprocess
@@ -31,8 +32,19 @@ class ReplaySource:
 
     def admit(self, step, version):
         samples = self.trainer.prompts.next(self.trainer.recipe.training.prompts_per_step)
-        trajs = [Trajectory(r["prompt_id"], r["group"], samples[r["group"]].ids, r["completion_ids"],
-                            samples[r["group"]].media, r["logp"], r["reward"], version) for r in self.rows]
+        trajs = [
+            Trajectory(
+                r["prompt_id"],
+                r["group"],
+                samples[r["group"]].ids,
+                r["completion_ids"],
+                samples[r["group"]].media,
+                r["logp"],
+                r["reward"],
+                version,
+            )
+            for r in self.rows
+        ]
         assert all(samples[r["group"]].id == r["prompt_id"] for r in self.rows)
         return [trajs]
 
@@ -48,15 +60,39 @@ class ReplaySource:
 
 def test_two_ranks_roll_out_disjoint_shares_and_update_like_one(tmp_path, demo_shards):
     d, _ = demo_shards
-    overrides = [f"data.shards={d}/*.tar", "data.demo=null", "training.warmup.steps=0",
-                 "training.mini_batches=1", "training.prompts_per_step=6", "rollout.n=4", "rollout.max_new_tokens=8",
-                 "logging.tensorboard=false", "goal=null", "training.threads=1", "rollout.drafter.compare_every=0",
-                 "algorithm.reward=rewards_for_tests:distinct_words", "training.grad_clip=0"]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "dp_worker.py"), str(tmp_path), *overrides,
-           "training.engine=deepspeed", "training.nproc=2", "training.deepspeed.zero_stage=2"]
+    overrides = [
+        f"data.shards={d}/*.tar",
+        "data.demo=null",
+        "training.warmup.steps=0",
+        "training.mini_batches=1",
+        "training.prompts_per_step=6",
+        "rollout.n=4",
+        "rollout.max_new_tokens=8",
+        "logging.tensorboard=false",
+        "goal=null",
+        "training.threads=1",
+        "rollout.drafter.compare_every=0",
+        "algorithm.reward=rewards_for_tests:distinct_words",
+        "training.grad_clip=0",
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "tests" / "dp_worker.py"),
+        str(tmp_path),
+        *overrides,
+        "training.engine=deepspeed",
+        "training.nproc=2",
+        "training.deepspeed.zero_stage=2",
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     rows = json.loads((tmp_path / "trajectories.json").read_text())
@@ -77,9 +113,11 @@ def test_two_ranks_roll_out_disjoint_shares_and_update_like_one(tmp_path, demo_s
     opt_step = single.engine.optimizer.step
 
     def record_then_step(*args, **kwargs):
-        want_grads.update({n: p.grad.detach().clone() for n, p in single.engine.model.named_parameters()
-                           if p.grad is not None})
+        want_grads.update(
+            {n: p.grad.detach().clone() for n, p in single.engine.model.named_parameters() if p.grad is not None}
+        )
         return opt_step(*args, **kwargs)
+
     single.engine.optimizer.step = record_then_step
     single.step(0)
 

@@ -1,13 +1,14 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 with 2 processes (gloo) against the torch engine, and exact
 resume; one torchrun launch (tests/engines_worker.py) for all of them."""
+
 import importlib.util
 
 import pytest
-
 from _engine_runs import assert_frozen_and_checkpointed, assert_matches, run_worker
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="deepspeed (optional dependency) is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed (optional dependency) is not installed"
+)
 
 
 @pytest.fixture(scope="module")

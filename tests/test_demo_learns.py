@@ -9,6 +9,7 @@ reach the weights, an optimizer that does not step, a learning-rate schedule at 
 that stop reaching the model. The two runs see the same prompts in the same order, so the
 prompts' difficulty cancels out of the comparison.
 """
+
 import json
 from pathlib import Path
 
@@ -17,15 +18,35 @@ import pytest
 from loomrl.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
-SHORT = ["training.steps=40", "training.warmup.steps=100", "training.warmup.target=answer",
-         "training.prompts_per_step=16", "checkpoint.every=0", "logging.tensorboard=false", "goal=null",
-         "training.threads=2"]
+SHORT = [
+    "training.steps=40",
+    "training.warmup.steps=100",
+    "training.warmup.target=answer",
+    "training.prompts_per_step=16",
+    "checkpoint.every=0",
+    "logging.tensorboard=false",
+    "goal=null",
+    "training.threads=2",
+]
 
 
 def rewards(tmp_path, name, demo_shards, extra=()):
     out = tmp_path / name
-    assert main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(out), f"data.shards={demo_shards[0]}/*.tar",
-                 "data.demo=null", *SHORT, *extra]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(ROOT / "recipes" / "demo.yaml"),
+                "--out",
+                str(out),
+                f"data.shards={demo_shards[0]}/*.tar",
+                "data.demo=null",
+                *SHORT,
+                *extra,
+            ]
+        )
+        == 0
+    )
     return [json.loads(x)["reward_mean"] for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 

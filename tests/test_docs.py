@@ -1,6 +1,7 @@
 """The docs follow the code: the recipe reference is generated (and cannot drift), the README
 stays a front door (<= 20 KB), every relative markdown link points at a file of the repo, and
 no file of the repo refers to paths outside it."""
+
 import re
 import subprocess
 import sys
@@ -21,8 +22,13 @@ def repo_files() -> list[Path]:
     """Files tracked by git, plus new ones git does not ignore (so a page not committed yet
     is checked too)."""
     try:
-        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except FileNotFoundError:
         pytest.skip("git is not installed")
     if out.returncode != 0:
@@ -39,8 +45,9 @@ def is_text(path: Path) -> bool:
 
 
 def run_recipe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "loomrl.cli", "recipe", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "loomrl.cli", "recipe", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_recipe_reference_is_what_loomrl_recipe_generates(tmp_path):
@@ -58,13 +65,15 @@ def test_recipe_reference_is_what_loomrl_recipe_generates(tmp_path):
     assert committed.is_file(), f"docs/recipe.md is missing: run `{REGENERATE}`"
     assert committed.read_text() == generated, (
         f"docs/recipe.md differs from what `loomrl recipe` generates now (loomrl/platform/recipe.py "
-        f"changed): run `{REGENERATE}`")
+        f"changed): run `{REGENERATE}`"
+    )
 
 
 def test_readme_is_a_front_door():
     size = (ROOT / "README.md").stat().st_size
     assert size <= README_MAX_BYTES, (
-        f"README.md is {size} bytes, over {README_MAX_BYTES}: move the detail into a page under docs/")
+        f"README.md is {size} bytes, over {README_MAX_BYTES}: move the detail into a page under docs/"
+    )
     text = (ROOT / "README.md").read_text()
     assert "`make test` runs `pytest -q tests`" in text  # CI (.ci/run -> make test) relies on it
     assert "\n## Not yet here\n" in text
@@ -103,8 +112,10 @@ def test_relative_links_point_at_files_of_the_repo():
 
 
 def test_link_finder():
-    text = ("[a](docs/x.md) ![img](p.png \"t\") [`code`](../y.py#L3) [web](https://e.org) [in](#top)\n"
-            "`[not](a/link.md)`\n```\n[not](either.md)\n```\n[ref]: docs/z.md\n")
+    text = (
+        '[a](docs/x.md) ![img](p.png "t") [`code`](../y.py#L3) [web](https://e.org) [in](#top)\n'
+        "`[not](a/link.md)`\n```\n[not](either.md)\n```\n[ref]: docs/z.md\n"
+    )
     assert relative_links(text) == ["docs/x.md", "p.png", "../y.py#L3", "docs/z.md"]
 
 
@@ -129,5 +140,7 @@ def test_no_file_refers_to_paths_outside_the_repo():
                 target = (path.parent / (m.group(1) + m.group(2))).resolve()
                 if not target.is_relative_to(ROOT):
                     problems.append(f"{rel}:{n}: {m.group(0)} leaves the repo: {line.strip()[:160]}")
-    assert not problems, ("files refer to paths outside the repo (name the file's role instead, e.g. "
-                          "`--traces PATH`):\n" + "\n".join(problems))
+    assert not problems, (
+        "files refer to paths outside the repo (name the file's role instead, e.g. "
+        "`--traces PATH`):\n" + "\n".join(problems)
+    )

@@ -1,16 +1,17 @@
 """`loomrl doctor`: JSON schema of the last line, the transformers reference measured, and the
 aligned setting exact against a hand-rounded reference engine registered in the dispatch table."""
+
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from rounding_reference import aligned_logits
 
 from loomrl.cli import main
 from loomrl.platform import doctor
 from loomrl.platform.rollout.base import Rollout
 from loomrl.platform.trajectory.batch import micro_batches
-from rounding_reference import aligned_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {"mean_abs_dlogp", "max_abs_dlogp", "kl"}
@@ -18,8 +19,19 @@ FIELDS = {"mean_abs_dlogp", "max_abs_dlogp", "kl"}
 
 def _doctor(capsys, demo_shards, engine):
     d, _ = demo_shards
-    rc = main(["doctor", str(ROOT / "recipes" / "demo.yaml"), f"data.shards={d}/*.tar", "rollout.max_new_tokens=6",
-               "--prompts", "2", "--engine", engine, "--json"])
+    rc = main(
+        [
+            "doctor",
+            str(ROOT / "recipes" / "demo.yaml"),
+            f"data.shards={d}/*.tar",
+            "rollout.max_new_tokens=6",
+            "--prompts",
+            "2",
+            "--engine",
+            engine,
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     report = json.loads(out.strip().splitlines()[-1])
@@ -54,8 +66,9 @@ def _hand_rounded_engine(model, prompts, params, generator=None):
             logits = aligned_logits(policy.language_model, embeds, (mask.long().cumsum(-1) - 1).clamp(min=0), mask)
             logp = policy.token_logprobs(logits[:, :-1], params.temperature)
             scored.extend(doctor.completion_logprobs(logp.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1), mb))
-    return [Rollout(r.prompt_index, r.sample_index, r.completion_ids, s, r.finish_reason)
-            for r, s in zip(rollouts, scored)]
+    return [
+        Rollout(r.prompt_index, r.sample_index, r.completion_ids, s, r.finish_reason) for r, s in zip(rollouts, scored)
+    ]
 
 
 def test_registered_engine_and_aligned_is_exact(capsys, demo_shards):

@@ -1,6 +1,7 @@
 """`loomrl doctor --engine vllm --trace`: the region-by-region trace. Without vLLM: the recorder
 finds a difference in the region where two trainer settings differ and nowhere before it. With
 vLLM (installed in CI): the `vllm` setting equals vLLM's own outputs region by region."""
+
 import json
 from pathlib import Path
 
@@ -106,8 +107,20 @@ def test_trace_vllm_profile_equals_vllm_region_by_region(capsys, demo_shards, tr
     `vllm` setting equals vLLM in every region where this CPU runs the kernels it reproduces, and
     elsewhere up to the first attention (`check_vllm_first_divergence`)."""
     d, _ = demo_shards
-    rc = main(["doctor", str(ROOT / "recipes" / "demo.yaml"), f"data.shards={d}/*.tar", "rollout.max_new_tokens=8",
-               "--prompts", "2", "--engine", "vllm", "--trace", "--json"])
+    rc = main(
+        [
+            "doctor",
+            str(ROOT / "recipes" / "demo.yaml"),
+            f"data.shards={d}/*.tar",
+            "rollout.max_new_tokens=8",
+            "--prompts",
+            "2",
+            "--engine",
+            "vllm",
+            "--trace",
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     trace = json.loads(out.strip().splitlines()[-1])["trace"]
@@ -115,15 +128,13 @@ def test_trace_vllm_profile_equals_vllm_region_by_region(capsys, demo_shards, tr
     rows = trace["settings"]["vllm"]["regions"]
     layers = 2  # recipes/demo.yaml
     assert len(rows) == 1 + 9 * layers + 3
-    firsts = {name: s["first"] and (s["first"]["layer"], s["first"]["region"])
-              for name, s in trace["settings"].items()}
+    firsts = {name: s["first"] and (s["first"]["layer"], s["first"]["region"]) for name, s in trace["settings"].items()}
     # native (transformers' rounding) parts from vLLM at the first RoPE: vLLM's rotary op rounds once
     assert firsts["native"] == (0, "rope")
     # aligned parts at layer 0's input norm: vLLM rounds the normalised value before `* weight`, which
     # shows only with trained norm weights (all 1 in a fresh policy: aligned would hold until the RoPE)
     assert firsts["aligned"] == (0, "input_norm")
-    check_vllm_first_divergence(trace["settings"]["vllm"]["first"], _vllm_amx_bf16(),
-                                _vllm_rotary_rounds_to_nearest())
+    check_vllm_first_divergence(trace["settings"]["vllm"]["first"], _vllm_amx_bf16(), _vllm_rotary_rounds_to_nearest())
 
 
 def test_trace_fallback_lets_a_difference_enter_only_at_attention():
@@ -134,9 +145,16 @@ def test_trace_fallback_lets_a_difference_enter_only_at_attention():
         check_vllm_first_divergence({"layer": layer, "region": region}, False, True)
     check_vllm_first_divergence(None, False, True)
     check_vllm_first_divergence({"layer": 0, "region": "rope"}, False, False)
-    for layer, region, rounds_to_nearest in [(0, "rope", True), (0, "post_norm", True), (0, "mlp", True),
-                                             (1, "input_norm", True), (-1, "final_norm", True), (-1, "logits", True),
-                                             (0, "attention", False), (1, "rope", False)]:
+    for layer, region, rounds_to_nearest in [
+        (0, "rope", True),
+        (0, "post_norm", True),
+        (0, "mlp", True),
+        (1, "input_norm", True),
+        (-1, "final_norm", True),
+        (-1, "logits", True),
+        (0, "attention", False),
+        (1, "rope", False),
+    ]:
         with pytest.raises(AssertionError):
             check_vllm_first_divergence({"layer": layer, "region": region}, False, rounds_to_nearest)
     with pytest.raises(AssertionError):

@@ -1,11 +1,12 @@
 """The draft-length controller: it settles on the arm with the best measured rate, climbs to a
 long draft where drafting pays, and spends few forwards on arms that do not; and the draft lengths
 it chooses leave the sampled tokens, and so their distribution, as without drafting."""
+
 import pytest
 import torch
-
 from chi_square import assert_fits, tally_prefixes
 from model_probs import prefix_probs
+
 from loomrl.platform.recipe import DrafterConfig, ModelConfig
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.draft_control import EXPLORE_MAX, Choice, DraftController, arms
@@ -40,7 +41,9 @@ def test_climbs_to_the_best_length_where_drafting_pays():
     assert chosen[-200:].count(4) >= 190  # settled on k = 4, a rare recheck of 2 and 8
     assert c.gain(4) == pytest.approx(1 + 0.8 + 0.64 + 0.51 + 0.41, abs=0.01)
     s = c.summary()
-    assert s["draft_control_accept_pos0"] == pytest.approx(0.8) and s["draft_control_accept_pos1"] == pytest.approx(0.64)
+    assert s["draft_control_accept_pos0"] == pytest.approx(0.8) and s["draft_control_accept_pos1"] == pytest.approx(
+        0.64
+    )
     assert s["draft_k_best"] == 4 and s["draft_k_gain"] == pytest.approx(c.gain(4))
     assert s["draft_k_row_cost_s"] == pytest.approx(MEMORY_BOUND[4])
 
@@ -55,7 +58,9 @@ def test_drafting_that_does_not_pay_costs_at_most_one_forward_in_32(slowdown):
     assert drafted <= 1000 / 32
     assert sum(k > 0 for k in chosen[-500:]) <= 500 / EXPLORE_MAX + 1  # steady state: one in 256
     s = c.summary()
-    assert s["draft_k_best"] == 0 and s["draft_k0_row_tokens_per_s"] == pytest.approx(100) and 0 < s["draft_k_mean"] < 0.1
+    assert (
+        s["draft_k_best"] == 0 and s["draft_k0_row_tokens_per_s"] == pytest.approx(100) and 0 < s["draft_k_mean"] < 0.1
+    )
 
 
 def test_follows_a_workload_that_changes():
@@ -129,8 +134,10 @@ def peaky_model(tokenizer):
 def controlled_engine(model, prompts: list[Prompt], params: SamplingParams) -> TorchRolloutEngine:
     """An adaptive engine (prefetching too) whose controller is `Scripted`, its histories warmed with
     sampled completions so drafts are partly accepted."""
-    eng = TorchRolloutEngine(model, DrafterConfig(enabled=True, k=4, tree_nodes=8, prefetch_budget=4,
-                                                  max_history=64, max_history_tokens=10**6))
+    eng = TorchRolloutEngine(
+        model,
+        DrafterConfig(enabled=True, k=4, tree_nodes=8, prefetch_budget=4, max_history=64, max_history_tokens=10**6),
+    )
     assert eng.control is not None
     eng.control = Scripted(4, 8, CYCLE)
     g = torch.Generator().manual_seed(9)

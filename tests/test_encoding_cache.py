@@ -1,6 +1,7 @@
 """The content-hashed encoding cache: encode each distinct medium once per mini-batch,
 keep every micro-batch's gradient, never serve an encoding made by other weights or
 other preprocessing; and loading towers from Hugging Face checkpoint folders."""
+
 import io
 import json
 import math
@@ -15,10 +16,10 @@ from PIL import Image
 from loomrl.cli import main
 from loomrl.encoders.cache import EncodingCache, SharedEncodings
 from loomrl.encoders.media import Medium, load_medium
+from loomrl.platform.algorithms.losses import policy_loss_fn
 from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.engines.torch_engine import TorchTrainEngine
 from loomrl.platform.recipe import EncoderConfig, ModelConfig, Recipe, TrainingConfig, VisionConfig
-from loomrl.platform.algorithms.losses import policy_loss_fn
 from loomrl.platform.trajectory.batch import Trajectory, micro_batches
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,8 +55,12 @@ def groups_of_media(cfg: ModelConfig) -> list[tuple[str, list[Medium]]]:
     img = [load_medium("image", png(h, w, i), cfg) for i, (h, w) in enumerate([(56, 56), (60, 120), (112, 112)])]
     aud = [load_medium("audio", wav(s, hz), cfg) for s, hz in [(0.3, 300.0), (0.6, 900.0), (1.0, 2000.0)]]
     both = "<image> <audio> describe the picture and the sound ."
-    return [(both, [img[0], aud[0]]), ("<image> describe the picture .", [img[1]]),
-            ("<audio> describe the sound .", [aud[1]]), (both, [img[2], aud[2]])]
+    return [
+        (both, [img[0], aud[0]]),
+        ("<image> describe the picture .", [img[1]]),
+        ("<audio> describe the sound .", [aud[1]]),
+        (both, [img[2], aud[2]]),
+    ]
 
 
 def mini_batch(model, tokenizer, n: int, micro_batch_size: int, seed: int = 0):
@@ -68,8 +73,11 @@ def mini_batch(model, tokenizer, n: int, micro_batch_size: int, seed: int = 0):
         ids = model.prompt_ids(tokenizer, text, media)
         for _ in range(n):
             completion = [rng.choice(words) for _ in range(rng.randint(3, 8))]
-            trajs.append(Trajectory(f"p{g}", g, ids, completion, media, [0.0] * len(completion), 0.0, 0,
-                                    advantage=rng.gauss(0.0, 1.0)))
+            trajs.append(
+                Trajectory(
+                    f"p{g}", g, ids, completion, media, [0.0] * len(completion), 0.0, 0, advantage=rng.gauss(0.0, 1.0)
+                )
+            )
     return micro_batches(trajs, model.pad_token_id, micro_batch_size)
 
 
@@ -106,8 +114,7 @@ def test_dedup_gradients_equal_encoding_every_copy(tokenizer, dtype, tol):
     dedup = grads_of_one_step(model, mbs, dedup=True)
     assert naive.keys() == dedup.keys()
     towers = [n for n in naive if n.startswith(("visual.", "audio_tower.", "audio_projector."))]
-    assert len(towers) > 20 and all(naive[n].abs().max() > 0 for n in towers
-                                    if "embed_positions" not in n)
+    assert len(towers) > 20 and all(naive[n].abs().max() > 0 for n in towers if "embed_positions" not in n)
     for name in naive:
         scale = max(1.0, float(naive[name].abs().max()))
         err = float((naive[name] - dedup[name]).abs().max()) / scale
@@ -139,9 +146,11 @@ def count_tower_inputs(model) -> dict[str, int]:
     counts = {"image": 0, "audio": 0}
     model.visual.register_forward_pre_hook(
         lambda mod, args, kwargs: counts.__setitem__("image", counts["image"] + len(kwargs["grid_thw"])),
-        with_kwargs=True)
+        with_kwargs=True,
+    )
     model.audio_tower.register_forward_pre_hook(
-        lambda mod, args: counts.__setitem__("audio", counts["audio"] + args[0].shape[0]))
+        lambda mod, args: counts.__setitem__("audio", counts["audio"] + args[0].shape[0])
+    )
     return counts
 
 
@@ -189,8 +198,9 @@ def test_cache_serves_only_the_same_weights_and_preprocessing(tokenizer):
         torch.testing.assert_close(again[image.key], first[image.key], rtol=0, atol=0)
 
         # other preprocessing of the same bytes: same content hash, a different key
-        other = load_medium("image", png(56, 56, 0), ModelConfig(vision=VisionConfig(min_pixels=112 * 112,
-                                                                                    max_pixels=112 * 112)))
+        other = load_medium(
+            "image", png(56, 56, 0), ModelConfig(vision=VisionConfig(min_pixels=112 * 112, max_pixels=112 * 112))
+        )
         assert other.hash == image.hash and other.prep != image.prep
         model.encode_media([other])
         assert counts["image"] == 2
@@ -281,12 +291,29 @@ def length_reward(text: str, record: dict) -> float:
 
 def test_run_reports_encoder_metrics(tmp_path):
     def run(out, *extra):
-        assert main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(tmp_path / out),
-                     f"data.shards={tmp_path}/shards/demo-*.tar", "data.demo.samples=24",
-                     f"algorithm.reward={__name__}:length_reward",
-                     "training.steps=2", "training.warmup.steps=0", "training.mini_batches=1", "training.prompts_per_step=3",
-                     "training.micro_batch_size=5", "rollout.n=4", "checkpoint.every=0", "goal=null",
-                     *extra]) == 0
+        assert (
+            main(
+                [
+                    "run",
+                    str(ROOT / "recipes" / "demo.yaml"),
+                    "--out",
+                    str(tmp_path / out),
+                    f"data.shards={tmp_path}/shards/demo-*.tar",
+                    "data.demo.samples=24",
+                    f"algorithm.reward={__name__}:length_reward",
+                    "training.steps=2",
+                    "training.warmup.steps=0",
+                    "training.mini_batches=1",
+                    "training.prompts_per_step=3",
+                    "training.micro_batch_size=5",
+                    "rollout.n=4",
+                    "checkpoint.every=0",
+                    "goal=null",
+                    *extra,
+                ]
+            )
+            == 0
+        )
         return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
 
     dedup, naive = run("dedup"), run("naive", "model.encoders.dedup=false")
@@ -304,8 +331,9 @@ def test_run_reports_encoder_metrics(tmp_path):
 
 
 def test_bench_encoders_json(capsys):
-    assert main(["bench", "encoders", "--groups", "3", "--n", "4", "--micro-batch", "5", "--repeats", "1",
-                 "--json"]) == 0
+    assert (
+        main(["bench", "encoders", "--groups", "3", "--n", "4", "--micro-batch", "5", "--repeats", "1", "--json"]) == 0
+    )
     out = capsys.readouterr().out.strip().splitlines()
     r = json.loads(out[-1])
     assert "encoder forward+backward" in "\n".join(out[:-1])
@@ -317,8 +345,14 @@ def test_bench_encoders_json(capsys):
 
 # --------------------------------------------------------------------------- HF checkpoints
 
-TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2)
+TEXT = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def save_tiny(kind: str, folder: Path):
@@ -326,18 +360,36 @@ def save_tiny(kind: str, folder: Path):
 
     torch.manual_seed(0)
     if kind == "qwen2_vl":
-        cfg = T.Qwen2VLConfig(text_config=TEXT, vision_config=dict(depth=1, embed_dim=32, hidden_size=32,
-                                                                   num_heads=2, mlp_ratio=2))
+        cfg = T.Qwen2VLConfig(
+            text_config=TEXT, vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2)
+        )
         model = T.Qwen2VLForConditionalGeneration(cfg)
     elif kind == "qwen2_5_vl":
-        cfg = T.Qwen2_5_VLConfig(text_config=TEXT, vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32,
-            fullatt_block_indexes=[1], window_size=56))
+        cfg = T.Qwen2_5_VLConfig(
+            text_config=TEXT,
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                intermediate_size=48,
+                num_heads=2,
+                out_hidden_size=32,
+                fullatt_block_indexes=[1],
+                window_size=56,
+            ),
+        )
         model = T.Qwen2_5_VLForConditionalGeneration(cfg)
     else:
-        cfg = T.Qwen2AudioConfig(text_config=dict(model_type="qwen2", **TEXT), audio_config=dict(
-            d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=80,
-            max_source_positions=50))
+        cfg = T.Qwen2AudioConfig(
+            text_config=dict(model_type="qwen2", **TEXT),
+            audio_config=dict(
+                d_model=32,
+                encoder_layers=1,
+                encoder_attention_heads=2,
+                encoder_ffn_dim=64,
+                num_mel_bins=80,
+                max_source_positions=50,
+            ),
+        )
         model = T.Qwen2AudioForConditionalGeneration(cfg)
     model.save_pretrained(folder)
     return model.eval()

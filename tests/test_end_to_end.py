@@ -1,5 +1,6 @@
 """A short real run through the CLI: demo shards made on the fly, warm-up, GRPO steps,
 metrics, TensorBoard events, checkpoint, report."""
+
 import json
 import shutil
 from pathlib import Path
@@ -14,10 +15,24 @@ REQUIRED = {"step", "reward_mean", "loss", "tokens_per_s", "rollout_s", "train_s
 
 
 def short_run(tmp_path, out_name, extra=()):
-    return main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(tmp_path / out_name),
-                 f"data.shards={tmp_path}/shards/demo-*.tar", "data.demo.samples=48",
-                 "training.steps=6", "training.warmup.steps=3", "training.mini_batches=1", "training.prompts_per_step=4",
-                 "rollout.n=4", "checkpoint.every=4", "goal=null", *extra])
+    return main(
+        [
+            "run",
+            str(ROOT / "recipes" / "demo.yaml"),
+            "--out",
+            str(tmp_path / out_name),
+            f"data.shards={tmp_path}/shards/demo-*.tar",
+            "data.demo.samples=48",
+            "training.steps=6",
+            "training.warmup.steps=3",
+            "training.mini_batches=1",
+            "training.prompts_per_step=4",
+            "rollout.n=4",
+            "checkpoint.every=4",
+            "goal=null",
+            *extra,
+        ]
+    )
 
 
 def test_short_run_then_report(tmp_path, capsys):
@@ -61,8 +76,10 @@ def test_deterministic_runs_match(tmp_path, capsys):
     assert short_run(tmp_path, "a") == 0
     assert short_run(tmp_path, "b") == 0
     keep = ("reward_mean", "loss", "entropy", "response_len")
-    rows = [[{k: r[k] for k in keep} for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())]
-            for d in ("a", "b")]
+    rows = [
+        [{k: r[k] for k in keep} for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())]
+        for d in ("a", "b")
+    ]
     assert rows[0] == rows[1]
     # the two runs overlaid in one figure; several folders need --out, one folder takes none
     capsys.readouterr()

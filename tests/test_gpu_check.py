@@ -1,6 +1,7 @@
 """tools/gpu_check.py, the prepared GPU check, runs end to end with `--device cpu` (short runs),
 so a lent GPU's few minutes are not spent on a script error. On the CPU the same-weights log-probs
 and the checkpointed gradients must agree exactly; the short demos cannot meet the goal (exit 1)."""
+
 import json
 import subprocess
 import sys
@@ -10,10 +11,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_gpu_check_runs_every_check_on_the_cpu(tmp_path):
-    short = ["training.steps=1", "training.warmup.steps=1", "checkpoint.every=0", "training.threads=1",
-             "training.prompts_per_step=4", "training.mini_batches=1", "logging.tensorboard=false"]
-    cmd = [sys.executable, str(ROOT / "tools/gpu_check.py"), str(tmp_path), "--device", "cpu", "--lora-steps", "1",
-           *[a for o in short for a in ("--override", o)]]
+    short = [
+        "training.steps=1",
+        "training.warmup.steps=1",
+        "checkpoint.every=0",
+        "training.threads=1",
+        "training.prompts_per_step=4",
+        "training.mini_batches=1",
+        "logging.tensorboard=false",
+    ]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools/gpu_check.py"),
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--lora-steps",
+        "1",
+        *[a for o in short for a in ("--override", o)],
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 1, proc.stderr[-3000:]  # one RL step does not meet the demo's goal
     result = json.loads(proc.stdout.strip().splitlines()[-1])

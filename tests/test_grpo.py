@@ -12,7 +12,7 @@ def test_group_advantages_by_hand():
     s = math.sqrt(1 / 3) + 1e-6  # unbiased std of [1, 0, 0, 1]; a constant group gets 0, not NaN
     expected = [0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s, 0, 0, 0, 0]
     torch.testing.assert_close(adv, torch.tensor(expected))
-    torch.testing.assert_close(group_advantages(r, 4, scale=False), torch.tensor([.5, -.5, -.5, .5, 0, 0, 0, 0]))
+    torch.testing.assert_close(group_advantages(r, 4, scale=False), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
     with pytest.raises(ValueError, match="do not split"):
         group_advantages(r, 3)
 
@@ -68,11 +68,14 @@ def test_clip_higher_by_hand():
     assert loss.item() == pytest.approx((-2 - 2.4 - 2.4 + 0.6 + 1) / 5, rel=1e-6)
 
 
-@pytest.mark.parametrize("mode, normaliser, expected", [
-    ("token", 5.0, (sum(TERMS[0]) + sum(TERMS[1])) / 5),
-    ("sequence", 2.0, (sum(TERMS[0]) / 3 + sum(TERMS[1]) / 2) / 2),  # each sequence's mean, then the mean
-    ("constant", 2 * 16.0, (sum(TERMS[0]) + sum(TERMS[1])) / 32),     # sequences x max_new_tokens
-])
+@pytest.mark.parametrize(
+    "mode, normaliser, expected",
+    [
+        ("token", 5.0, (sum(TERMS[0]) + sum(TERMS[1])) / 5),
+        ("sequence", 2.0, (sum(TERMS[0]) / 3 + sum(TERMS[1]) / 2) / 2),  # each sequence's mean, then the mean
+        ("constant", 2 * 16.0, (sum(TERMS[0]) + sum(TERMS[1])) / 32),  # sequences x max_new_tokens
+    ],
+)
 def test_loss_normalisations_by_hand(mode, normaliser, expected):
     loss, _ = policy_loss(LOGP, OLD, ADV, MASK, 0.2, normaliser, loss_norm=mode)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
@@ -81,7 +84,9 @@ def test_loss_normalisations_by_hand(mode, normaliser, expected):
 def test_sequence_norm_adds_up_over_micro_batches():
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]])
     whole = reduce_tokens(per_token, MASK, "sequence", 2.0)
-    parts = reduce_tokens(per_token[:1], MASK[:1], "sequence", 2.0) + reduce_tokens(per_token[1:], MASK[1:], "sequence", 2.0)
+    parts = reduce_tokens(per_token[:1], MASK[:1], "sequence", 2.0) + reduce_tokens(
+        per_token[1:], MASK[1:], "sequence", 2.0
+    )
     assert whole.item() == pytest.approx(parts.item()) == pytest.approx((2.0 + 4.5) / 2)
     with pytest.raises(ValueError, match="unknown loss normalisation"):
         reduce_tokens(per_token, MASK, "median", 1.0)
@@ -96,9 +101,16 @@ def test_kl_in_reward_for_grpo_by_hand():
     trajs = [SimpleNamespace(advantage=0.0) for _ in range(4)]
     mask = torch.tensor([[0.0, 1, 1], [0, 1, 0]])
     # rollout - ref per token: row sums 0.5 + 0.25 = .75, 1.0 (off-mask entries ignored)
-    mbs = [SimpleNamespace(trajectories=trajs[i:i + 2], loss_mask=mask, advantages=None,
-                           rollout_logp=torch.tensor([[9.0, 0.5, 0.25], [9.0, 1.0, 9.0]]),
-                           ref_logp=torch.zeros(2, 3)) for i in (0, 2)]
+    mbs = [
+        SimpleNamespace(
+            trajectories=trajs[i : i + 2],
+            loss_mask=mask,
+            advantages=None,
+            rollout_logp=torch.tensor([[9.0, 0.5, 0.25], [9.0, 1.0, 9.0]]),
+            ref_logp=torch.zeros(2, 3),
+        )
+        for i in (0, 2)
+    ]
     a = AlgorithmConfig(kl_coef=0.4, kl_placement="reward", scale_rewards=False)
     rewards = torch.tensor([1.0, 1.0, 0.0, 2.0])
     stats = assign_advantages(a, 2, rewards, trajs, mbs)

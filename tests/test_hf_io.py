@@ -1,5 +1,6 @@
 """HF checkpoint folders in and out: FP32 logits equal transformers' (Qwen2, Qwen2.5-VL text part with
 M-RoPE), import then export round-trips bit for bit, transformers loads the export."""
+
 import json
 
 import pytest
@@ -8,8 +9,14 @@ import torch
 from loomrl.encoders.hf_checkpoint import read_tensors
 from loomrl.platform.backbone.hf_io import export_language_model, load_language_model
 
-TEXT = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=64)
+TEXT = dict(
+    vocab_size=50,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+)
 
 
 def _run(dec, ids, pos):
@@ -21,8 +28,9 @@ def test_qwen2_import_logits_and_bit_exact_round_trip(tmp_path, tie):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    hf = Qwen2ForCausalLM(Qwen2Config(**TEXT, tie_word_embeddings=tie,
-                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})).eval()
+    hf = Qwen2ForCausalLM(
+        Qwen2Config(**TEXT, tie_word_embeddings=tie, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    ).eval()
     hf.save_pretrained(tmp_path / "src", max_shard_size="20KB")  # sharded, with an index
     assert (tmp_path / "src" / "model.safetensors.index.json").is_file()
     dec = load_language_model(tmp_path / "src")
@@ -48,10 +56,15 @@ def test_qwen2_5_vl_text_part_with_mrope(tmp_path):
 
     torch.manual_seed(0)
     cfg = Qwen2_5_VLConfig(
-        text_config={**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                  "mrope_section": [1, 1, 2]}},
+        text_config={
+            **TEXT,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+        },
         vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32),
-        image_token_id=45, video_token_id=46, vision_start_token_id=47)
+        image_token_id=45,
+        video_token_id=46,
+        vision_start_token_id=47,
+    )
     hf = Qwen2_5_VLForConditionalGeneration(cfg).eval()
     hf.save_pretrained(tmp_path / "vl")
     dec = load_language_model(tmp_path / "vl")
@@ -74,9 +87,17 @@ def test_qwen2_audio_nested_layout_imports(tmp_path):
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
 
     torch.manual_seed(0)
-    cfg = Qwen2AudioConfig(text_config={"model_type": "qwen2", **TEXT},
-                           audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2,
-                                             encoder_ffn_dim=32, num_mel_bins=80, max_source_positions=50))
+    cfg = Qwen2AudioConfig(
+        text_config={"model_type": "qwen2", **TEXT},
+        audio_config=dict(
+            d_model=16,
+            encoder_layers=1,
+            encoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            num_mel_bins=80,
+            max_source_positions=50,
+        ),
+    )
     hf = Qwen2AudioForConditionalGeneration(cfg).eval()
     hf.save_pretrained(tmp_path / "a")  # transformers 5.19 writes language_model.model.model.*
     dec = load_language_model(tmp_path / "a")

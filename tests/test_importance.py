@@ -1,6 +1,7 @@
 """Importance correction for the rollout/trainer mismatch: exact identity when the two
 log-probs agree, clipped and masked shares that match a known perturbation, and the same
 figures through the runner's real loss function on a real model."""
+
 import math
 
 import pytest
@@ -64,12 +65,14 @@ def test_weights_scale_the_surrogate_not_the_kl():
 
 @pytest.mark.parametrize("mode, key, expected", [("truncate", "is_clipped", 2), ("mask", "is_masked", 3)])
 def test_runner_loss_reports_the_known_shares(model, samples, mode, key, expected):
-    from loomrl.platform.recipe import Recipe
     from loomrl.platform.algorithms.losses import policy_loss_fn
+    from loomrl.platform.recipe import Recipe
     from loomrl.platform.trajectory.batch import Trajectory, collate
 
-    trajs = [Trajectory(s.id, i, s.ids, [5, 6, 7], s.media, [0.0] * 3, 0.0, 0, advantage=a)
-             for i, (s, a) in enumerate(zip(samples[:2], [1.0, -1.0]))]
+    trajs = [
+        Trajectory(s.id, i, s.ids, [5, 6, 7], s.media, [0.0] * 3, 0.0, 0, advantage=a)
+        for i, (s, a) in enumerate(zip(samples[:2], [1.0, -1.0]))
+    ]
     mb = collate(trajs, model.pad_token_id)
     mb.normaliser = float(mb.loss_mask.sum())
     with torch.no_grad():

@@ -1,4 +1,5 @@
 """model.init_from (start the policy from a local HF folder) and dry runs of the real-job recipes."""
+
 import dataclasses
 
 import pytest
@@ -27,7 +28,8 @@ def test_policy_starts_from_an_exported_checkpoint(tmp_path, tokenizer):
     assert fresh.audio_tower is not None and fresh.audio_projector is not None  # the demo has both
     assert loaded.audio_tower is None and loaded.audio_projector is None
     assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in source.parameters()) - sum(
-        p.numel() for m in (source.audio_tower, source.audio_projector) for p in m.parameters())
+        p.numel() for m in (source.audio_tower, source.audio_projector) for p in m.parameters()
+    )
 
 
 def test_init_from_with_other_sizes_names_the_folder(tmp_path, tokenizer):
@@ -56,8 +58,11 @@ def test_transformers_loads_exported_policy_with_its_head(tmp_path, tokenizer, m
 
     policy = build_policy(ModelConfig(), tokenizer, seed=3)
     folder = export_policy(policy, tmp_path / modality, modality)
-    cls = (transformers.Qwen2VLForConditionalGeneration if modality == "image"
-           else transformers.Qwen2AudioForConditionalGeneration)
+    cls = (
+        transformers.Qwen2VLForConditionalGeneration
+        if modality == "image"
+        else transformers.Qwen2AudioForConditionalGeneration
+    )
     hf = cls.from_pretrained(folder)
     assert torch.equal(hf.get_output_embeddings().weight, policy.language_model.lm_head.weight)
     assert torch.equal(hf.get_input_embeddings().weight, policy.language_model.model.embed_tokens.weight)

@@ -1,18 +1,19 @@
 """`model.init_from` is the source of truth: load_recipe takes the model's sizes, its towers and its
 tokenizer from the checkpoint folder; a recipe value that disagrees is an error naming the key, both
 values and the file (also from `loomrl run --dry-run`); the policy has exactly the checkpoint's towers."""
+
 import json
 import shutil
 
 import pytest
 import torch
+from qwen_checkpoints import SPECIAL, _qwen2_vl, _tokenizer
 
 from loomrl.cli import main
 from loomrl.encoders.media import Medium
 from loomrl.platform.backbone.tokenizer import load_tokenizer
 from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.recipe import AudioConfig, RecipeError, load_recipe
-from qwen_checkpoints import SPECIAL, _qwen2_vl, _tokenizer
 
 DEMO = "recipes/demo.yaml"
 
@@ -33,17 +34,33 @@ def test_load_recipe_takes_the_sizes_from_config_json(qwen2_vl):
     # the checkpoint's values, not the demo's defaults (heads 4, kv heads 2, tied, eps 1e-6, depth 2)
     assert (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size) == (64, 2, 2, 1, 128)
     assert (m.hidden_size, m.num_heads, m.num_kv_heads) == (
-        text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"])
+        text["hidden_size"],
+        text["num_attention_heads"],
+        text["num_key_value_heads"],
+    )
     assert m.rms_norm_eps == text["rms_norm_eps"] == 1e-5 and m.tie_word_embeddings is False
     assert m.rope_theta == text["rope_parameters"]["rope_theta"] == 10000.0
-    assert (m.vision.depth, m.vision.embed_dim, m.vision.num_heads) == (vision["depth"], vision["embed_dim"], 2) == (1, 64, 2)
+    assert (
+        (m.vision.depth, m.vision.embed_dim, m.vision.num_heads)
+        == (vision["depth"], vision["embed_dim"], 2)
+        == (1, 64, 2)
+    )
     # preprocessor_config.json: 56x56 .. 112x112 pixels
     assert (m.vision.min_pixels, m.vision.max_pixels) == (56 * 56, 112 * 112)
     assert m.audio == AudioConfig()  # no audio tower in the checkpoint: nothing taken for it
     assert m.tokenizer == str(folder)  # left at `demo`, the folder has tokenizer files
     # restating the checkpoint's values is allowed; the image size bounds are the recipe's to choose
-    m = load_recipe(DEMO, [f"model.init_from={folder}", "model.hidden_size=64", "model.vision.depth=1",
-                           "model.rms_norm_eps=1.0e-5", "model.vision.max_pixels=50176", "model.tokenizer=demo"]).model
+    m = load_recipe(
+        DEMO,
+        [
+            f"model.init_from={folder}",
+            "model.hidden_size=64",
+            "model.vision.depth=1",
+            "model.rms_norm_eps=1.0e-5",
+            "model.vision.max_pixels=50176",
+            "model.tokenizer=demo",
+        ],
+    ).model
     assert (m.hidden_size, m.vision.depth, m.vision.max_pixels, m.tokenizer) == (64, 1, 50176, "demo")
 
 
@@ -66,17 +83,19 @@ def test_policy_has_the_checkpoints_parameters_and_towers(qwen2_vl):
         policy.encode_media([clip])
 
 
-@pytest.mark.parametrize("override, key, says", [
-    ("model.hidden_size=128", "model.hidden_size: 128", "(hidden_size: 64)"),
-    ("model.tie_word_embeddings=true", "model.tie_word_embeddings: True", "(tie_word_embeddings: False)"),
-    ("model.vision.depth=3", "model.vision.depth: 3", "(vision_config.depth: 1)"),
-])
+@pytest.mark.parametrize(
+    "override, key, says",
+    [
+        ("model.hidden_size=128", "model.hidden_size: 128", "(hidden_size: 64)"),
+        ("model.tie_word_embeddings=true", "model.tie_word_embeddings: True", "(tie_word_embeddings: False)"),
+        ("model.vision.depth=3", "model.vision.depth: 3", "(vision_config.depth: 1)"),
+    ],
+)
 def test_a_recipe_value_that_disagrees_is_an_error(qwen2_vl, override, key, says):
     folder, _ = qwen2_vl
     with pytest.raises(RecipeError) as e:
         load_recipe(DEMO, [f"model.init_from={folder}", override])
-    assert str(e.value) == (f"{key} conflicts with {folder}/config.json {says}; "
-                            f"leave it out to take the checkpoint's")
+    assert str(e.value) == (f"{key} conflicts with {folder}/config.json {says}; leave it out to take the checkpoint's")
 
 
 def test_dry_run_reports_a_conflict_and_accepts_the_clean_recipe(qwen2_vl, tmp_path, capsys):
@@ -102,15 +121,23 @@ def test_unreadable_or_unbuildable_checkpoints_name_the_file(qwen2_vl, tmp_path,
     cfg = json.loads((folder / "config.json").read_text())
     bad = tmp_path / "bad"
     bad.mkdir()
-    cases = [("{not json", "cannot read it as JSON"),
-             (json.dumps({**cfg, "model_type": "llama"}), "model_type 'llama' is not supported"),
-             (json.dumps({**cfg, "vision_config": {**cfg["vision_config"], "model_type": "siglip_vision_model"}}),
-              "a vision tower of kind 'siglip_vision_model', which loomrl cannot build"),
-             (json.dumps({**cfg, "text_config": {**cfg["text_config"], "num_key_value_heads": "1"}}),
-              "is not a value loomrl can use: model.num_kv_heads: expected an integer"),
-             (json.dumps({**cfg, "vision_config": {**cfg["vision_config"], "depth": 0}}),
-              "is not a value loomrl can use: model.vision.depth: must be >= 1"),
-             (json.dumps({**cfg, "text_config": {**cfg["text_config"], "hidden_size": "64"}}), "TypeError")]
+    cases = [
+        ("{not json", "cannot read it as JSON"),
+        (json.dumps({**cfg, "model_type": "llama"}), "model_type 'llama' is not supported"),
+        (
+            json.dumps({**cfg, "vision_config": {**cfg["vision_config"], "model_type": "siglip_vision_model"}}),
+            "a vision tower of kind 'siglip_vision_model', which loomrl cannot build",
+        ),
+        (
+            json.dumps({**cfg, "text_config": {**cfg["text_config"], "num_key_value_heads": "1"}}),
+            "is not a value loomrl can use: model.num_kv_heads: expected an integer",
+        ),
+        (
+            json.dumps({**cfg, "vision_config": {**cfg["vision_config"], "depth": 0}}),
+            "is not a value loomrl can use: model.vision.depth: must be >= 1",
+        ),
+        (json.dumps({**cfg, "text_config": {**cfg["text_config"], "hidden_size": "64"}}), "TypeError"),
+    ]
     for text, why in cases:
         (bad / "config.json").write_text(text)
         with pytest.raises(RecipeError, match=why) as e:
@@ -140,11 +167,25 @@ def test_qwen2_audio_gives_the_audio_tower_only(tmp_path):
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
     torch.manual_seed(0)
     cfg = T.Qwen2AudioConfig(
-        text_config=dict(model_type="qwen2", vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=64),
-        audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=48,
-                          num_mel_bins=80, max_source_positions=25),
-        audio_token_index=ids["<|AUDIO|>"])
+        text_config=dict(
+            model_type="qwen2",
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=64,
+        ),
+        audio_config=dict(
+            d_model=32,
+            encoder_layers=1,
+            encoder_attention_heads=2,
+            encoder_ffn_dim=48,
+            num_mel_bins=80,
+            max_source_positions=25,
+        ),
+        audio_token_index=ids["<|AUDIO|>"],
+    )
     hf = T.Qwen2AudioForConditionalGeneration(cfg).eval()
     hf.save_pretrained(tmp_path)
     m = load_recipe(DEMO, [f"model.init_from={tmp_path}"]).model

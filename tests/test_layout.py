@@ -1,4 +1,5 @@
 """The layout's micro-batches hold exactly the admitted tokens, within the budgets."""
+
 import random
 
 import pytest
@@ -18,9 +19,19 @@ def random_trajs(seed: int, count: int = 23) -> list[Trajectory]:
     out = []
     for i in range(count):
         p, c = rng.randint(1, 9), rng.randint(1, 15)
-        out.append(Trajectory(f"p{i // 4}", i // 4, [rng.randint(1, 50) for _ in range(p)],
-                              [rng.randint(1, 50) for _ in range(c)], [media[i % 3]],
-                              [rng.uniform(-3, 0) for _ in range(c)], 0.0, 0, advantage=rng.uniform(-1, 1)))
+        out.append(
+            Trajectory(
+                f"p{i // 4}",
+                i // 4,
+                [rng.randint(1, 50) for _ in range(p)],
+                [rng.randint(1, 50) for _ in range(c)],
+                [media[i % 3]],
+                [rng.uniform(-3, 0) for _ in range(c)],
+                0.0,
+                0,
+                advantage=rng.uniform(-1, 1),
+            )
+        )
     return out
 
 
@@ -36,7 +47,7 @@ def test_micro_batches_hold_exactly_the_admitted_tokens(seed, budget):
         assert budget == 0 or b == 1 or b * width <= budget
         for i, t in enumerate(mb.trajectories):
             seq = t.prompt_ids + t.completion_ids
-            assert mb.input_ids[i, :len(seq)].tolist() == seq and int(mb.attention_mask[i].sum()) == len(seq)
+            assert mb.input_ids[i, : len(seq)].tolist() == seq and int(mb.attention_mask[i].sum()) == len(seq)
             assert int(mb.loss_mask[i].sum()) == len(t.completion_ids)
             got = mb.rollout_logp[i][mb.loss_mask[i].bool()]
             assert torch.allclose(got, torch.tensor(t.rollout_logprobs))

@@ -2,6 +2,7 @@
 `loomrl/` (imports inside functions count too: a cycle dodged by a local import is still one;
 `if TYPE_CHECKING:` imports, for annotations only, do not), and the config core
 (`loomrl/config/`) imports nothing else from loomrl."""
+
 import ast
 from pathlib import Path
 
@@ -20,7 +21,8 @@ def modules() -> dict[str, Path]:
 
 def _type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -37,8 +39,13 @@ def import_graph() -> dict[str, set[str]]:
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
         tree = ast.parse(path.read_text(), str(path))
-        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _type_checking(block.test)
-                       for stmt in block.body for n in ast.walk(stmt)}
+        typing_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and _type_checking(block.test)
+            for stmt in block.body
+            for n in ast.walk(stmt)
+        }
         for node in ast.walk(tree):
             if id(node) in typing_only:  # `if TYPE_CHECKING:` imports are for annotations, never executed
                 continue

@@ -2,6 +2,7 @@
 exactly at the base model, only adapters (and unfrozen towers / embeddings) train, merged
 weights are W + B @ A * alpha / rank and serve as a plain decoder, a short CLI run trains
 adapters only, `loomrl export` writes the merged model, vLLM serves the merged weights."""
+
 import copy
 import dataclasses
 from pathlib import Path
@@ -47,8 +48,8 @@ def test_at_init_the_lora_policy_is_the_base_model_exactly(samples):
     _, _, base = build_policy_parts(_recipe())
     tok, _, lora = build_policy_parts(_recipe("model.lora.rank=8"))
     layers = lora.language_model.model.layers
-    assert all(isinstance(getattr(l.self_attn, n), LoRALinear) for l in layers for n in TARGETS[:4])
-    assert all(isinstance(getattr(l.mlp, n), LoRALinear) for l in layers for n in TARGETS[4:])
+    assert all(isinstance(getattr(layer.self_attn, n), LoRALinear) for layer in layers for n in TARGETS[:4])
+    assert all(isinstance(getattr(layer.mlp, n), LoRALinear) for layer in layers for n in TARGETS[4:])
     q = layers[0].self_attn.q_proj
     assert q.lora_A.shape == (8, 64) and q.lora_B.shape == (64, 8) and q.scale == 16 / 8
     assert q.lora_A.abs().sum() > 0 and q.lora_B.abs().sum() == 0  # A random, B zero
@@ -79,8 +80,9 @@ def test_only_adapters_towers_and_embeddings_train_and_merge_by_hand():
     # towers and embeddings frozen by the recipe: the adapters alone train
     frozen = copy.deepcopy(model)
     frozen.freeze(["vision", "merger", "audio", "audio_projector", "embeddings"])
-    assert {n for n, p in frozen.named_parameters() if p.requires_grad} == \
-        {n for n, _ in model.named_parameters() if "lora_" in n}
+    assert {n for n, p in frozen.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if "lora_" in n
+    }
 
     decoder = model.language_model
     before = {k: v.clone() for k, v in decoder.state_dict().items()}
@@ -168,11 +170,32 @@ def test_targets_and_recipe_checks_name_the_key():
 
 def test_cli_run_trains_adapters_only_and_export_is_merged(tmp_path, capsys):
     run = tmp_path / "run"
-    overrides = ["model.lora.rank=8", "training.warmup.steps=0", "training.steps=3",
-                 "training.mini_batches=1", "training.prompts_per_step=4", "rollout.n=4", "goal=null", "checkpoint.every=0",
-                 "data.demo.samples=16", "rollout.max_new_tokens=8", f"algorithm.reward={__name__}:length_reward"]
-    assert main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(run),
-                 f"data.shards={tmp_path}/shards/demo-*.tar", *overrides]) == 0
+    overrides = [
+        "model.lora.rank=8",
+        "training.warmup.steps=0",
+        "training.steps=3",
+        "training.mini_batches=1",
+        "training.prompts_per_step=4",
+        "rollout.n=4",
+        "goal=null",
+        "checkpoint.every=0",
+        "data.demo.samples=16",
+        "rollout.max_new_tokens=8",
+        f"algorithm.reward={__name__}:length_reward",
+    ]
+    assert (
+        main(
+            [
+                "run",
+                str(ROOT / "recipes" / "demo.yaml"),
+                "--out",
+                str(run),
+                f"data.shards={tmp_path}/shards/demo-*.tar",
+                *overrides,
+            ]
+        )
+        == 0
+    )
     import json
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -189,8 +212,11 @@ def test_cli_run_trains_adapters_only_and_export_is_merged(tmp_path, capsys):
             continue
         assert torch.equal(v, lm_trained[k]), k  # frozen base weights: bit-identical after training
     assert any(not torch.equal(lm_seed[k], lm_trained[k]) for k in lm_seed if k.endswith("lora_B"))
-    trained_towers = [k for k, v in seed.state_dict().items() if k.startswith("visual.")
-                      and not torch.equal(v, trained.state_dict()[k])]
+    trained_towers = [
+        k
+        for k, v in seed.state_dict().items()
+        if k.startswith("visual.") and not torch.equal(v, trained.state_dict()[k])
+    ]
     assert trained_towers  # towers train unless frozen
     adapter = load_file(str(ckpt / "adapter.safetensors"))  # the adapters alone, beside the whole model
     full = trained.state_dict()
@@ -206,8 +232,9 @@ def test_cli_run_trains_adapters_only_and_export_is_merged(tmp_path, capsys):
     assert not any("lora_" in k for k in exported)
     assert set(exported) == set(want) - {"lm_head.weight"}  # tied head: left out, as transformers writes it
     assert all(torch.equal(exported[k], want[k]) for k in exported)
-    assert not torch.equal(exported["model.layers.0.mlp.up_proj.weight"],
-                           lm_trained["model.layers.0.mlp.up_proj.weight"])  # merged, not the base
+    assert not torch.equal(
+        exported["model.layers.0.mlp.up_proj.weight"], lm_trained["model.layers.0.mlp.up_proj.weight"]
+    )  # merged, not the base
     from transformers import Qwen2ForCausalLM
 
     ids = _ids(tok)
@@ -258,7 +285,15 @@ def test_lora_config_round_trips_through_the_recipe_dump(tmp_path):
     recipe = _recipe("model.lora.rank=16", "model.lora.dropout=0.1", "model.lora.targets=[q_proj,v_proj]")
     (tmp_path / "r.yaml").write_text(R.dump(recipe))
     again = R.load_recipe(tmp_path / "r.yaml", files=False)
-    assert dataclasses.asdict(again.model.lora) == {"rank": 16, "alpha": 16.0, "dropout": 0.1,
-                                                    "targets": ["q_proj", "v_proj"]}
-    assert dataclasses.asdict(_recipe().model.lora) == {"rank": 0, "alpha": 16.0, "dropout": 0.0,
-                                                        "targets": list(TARGETS)}
+    assert dataclasses.asdict(again.model.lora) == {
+        "rank": 16,
+        "alpha": 16.0,
+        "dropout": 0.1,
+        "targets": ["q_proj", "v_proj"],
+    }
+    assert dataclasses.asdict(_recipe().model.lora) == {
+        "rank": 0,
+        "alpha": 16.0,
+        "dropout": 0.0,
+        "targets": list(TARGETS),
+    }

@@ -9,6 +9,7 @@ PNG / JPEG. Without scikit-image these tests skip, saying why; with
 LOOMRL_REQUIRE_REAL_MEDIA=1 (CI) they fail instead. Shards are read back with the
 training reader, `ShardStream`.
 """
+
 import io
 import json
 import os
@@ -26,8 +27,9 @@ try:
     import skimage.data as skdata
 except ImportError:
     skdata = None
-needs_photos = pytest.mark.skipif(skdata is None and not REQUIRE,
-                                  reason="scikit-image missing (pip install scikit-image; it is in the dev extra)")
+needs_photos = pytest.mark.skipif(
+    skdata is None and not REQUIRE, reason="scikit-image missing (pip install scikit-image; it is in the dev extra)"
+)
 
 
 def make(*argv: str) -> int:
@@ -83,19 +85,28 @@ def root(tmp_path_factory) -> Path:
 def test_a_marker_free_manifest_writes_exactly_the_good_samples(root, capsys):
     src, media = root / "src", root / "src" / "media"
     escape = os.path.join("..", "outside", "coffee.png")  # a valid photo, outside src
-    manifest = write_manifest(src / "vqa.jsonl", [
-        {"question": "what is in the photo ?", "image": "media/astronaut.png", "answer": 7},    # id vqa-1
-        {"id": "two", "prompt": "compare them .", "images": ["media/coffee.jpg", "media/chelsea.png"],
-         "audio": ["media/tone.wav"], "answer": ["a cup", "coffee"], "split": "val"},
-        {"id": "missing", "question": "where ?", "image": "media/nope.png"},                  # missing-file
-        "",
-        {"id": "escape", "question": "where ?", "image": escape},                             # outside
-        {"id": "short", "prompt": "<image> which ?", "images": ["media/coffee.jpg", "media/chelsea.png"]},
-        {"id": "text", "query": "say hi", "answer": 2.5},                                     # text only
-        {"id": "marked", "prompt": "look: <image> ok ?", "image": "media/chelsea.png"},       # kept as is
-        {"question": "and this ?", "image": "media/notes.jpg"},                               # not-an-image
-        {"id": "two", "question": "again ?", "image": "media/astronaut.png"},                 # duplicate-id
-    ])
+    manifest = write_manifest(
+        src / "vqa.jsonl",
+        [
+            {"question": "what is in the photo ?", "image": "media/astronaut.png", "answer": 7},  # id vqa-1
+            {
+                "id": "two",
+                "prompt": "compare them .",
+                "images": ["media/coffee.jpg", "media/chelsea.png"],
+                "audio": ["media/tone.wav"],
+                "answer": ["a cup", "coffee"],
+                "split": "val",
+            },
+            {"id": "missing", "question": "where ?", "image": "media/nope.png"},  # missing-file
+            "",
+            {"id": "escape", "question": "where ?", "image": escape},  # outside
+            {"id": "short", "prompt": "<image> which ?", "images": ["media/coffee.jpg", "media/chelsea.png"]},
+            {"id": "text", "query": "say hi", "answer": 2.5},  # text only
+            {"id": "marked", "prompt": "look: <image> ok ?", "image": "media/chelsea.png"},  # kept as is
+            {"question": "and this ?", "image": "media/notes.jpg"},  # not-an-image
+            {"id": "two", "question": "again ?", "image": "media/astronaut.png"},  # duplicate-id
+        ],
+    )
     out = root / "o1"
     assert make(manifest, "--out", f"{out}/s-%03d.tar", "--maxcount", "3") == 0
     captured = capsys.readouterr()
@@ -108,8 +119,10 @@ def test_a_marker_free_manifest_writes_exactly_the_good_samples(root, capsys):
     s = {x["id"]: x for x in samples}
     assert s["vqa-1"]["prompt"] == "<image>what is in the photo ?" and s["vqa-1"]["answer"] == "7"
     assert s["two"]["prompt"] == "<image><image><audio>compare them ."
-    assert [(k, d) for k, _, d in s["two"]["media"][:2]] == [("image", (media / "coffee.jpg").read_bytes()),
-                                                            ("image", (media / "chelsea.png").read_bytes())]
+    assert [(k, d) for k, _, d in s["two"]["media"][:2]] == [
+        ("image", (media / "coffee.jpg").read_bytes()),
+        ("image", (media / "chelsea.png").read_bytes()),
+    ]
     kind, _, wav = s["two"]["media"][2]
     assert kind == "audio" and sf.info(io.BytesIO(wav)).frames == 8000
     assert s["two"]["answer"] == "a cup" and s["two"]["meta"] == {"answers": ["a cup", "coffee"], "split": "val"}
@@ -119,19 +132,27 @@ def test_a_marker_free_manifest_writes_exactly_the_good_samples(root, capsys):
 
     rej = rejections(out)
     codes = {k: r["code"] for k, r in rej.items()}
-    assert codes == {"missing": "missing-file", "escape": "path-outside-source", "short": "marker-mismatch",
-                     "vqa-9": "not-an-image", "two": "duplicate-id"}
+    assert codes == {
+        "missing": "missing-file",
+        "escape": "path-outside-source",
+        "short": "marker-mismatch",
+        "vqa-9": "not-an-image",
+        "two": "duplicate-id",
+    }
     assert rej["two"]["line"] == f"{manifest}:10" and "already used at" in rej["two"]["reason"]
     assert "put one marker where each medium goes" in rej["short"]["reason"]
 
 
 @needs_photos
 def test_summary_as_json_counts_placed_markers(root, capsys):
-    manifest = write_manifest(root / "src" / "j.jsonl", [
-        {"question": "who ?", "image": "media/astronaut.png"},
-        {"prompt": "<image> who ?", "image": "media/astronaut.png"},
-        {"prompt": "<image> <image> who ?", "image": "media/astronaut.png"},
-    ])
+    manifest = write_manifest(
+        root / "src" / "j.jsonl",
+        [
+            {"question": "who ?", "image": "media/astronaut.png"},
+            {"prompt": "<image> who ?", "image": "media/astronaut.png"},
+            {"prompt": "<image> <image> who ?", "image": "media/astronaut.png"},
+        ],
+    )
     out = root / "o-json"
     assert make(manifest, "--out", f"{out}/s-%03d.tar", "--json") == 0
     summary = json.loads(capsys.readouterr().out)
@@ -143,11 +164,14 @@ def test_summary_as_json_counts_placed_markers(root, capsys):
 
 @needs_photos
 def test_require_markers_restores_the_strict_rule(root, capsys):
-    manifest = write_manifest(root / "src" / "strict.jsonl", [
-        {"id": "free", "question": "who ?", "image": "media/astronaut.png"},
-        {"id": "marked", "prompt": "<image> who ?", "image": "media/astronaut.png"},
-        {"id": "text", "prompt": "no media, no marker"},
-    ])
+    manifest = write_manifest(
+        root / "src" / "strict.jsonl",
+        [
+            {"id": "free", "question": "who ?", "image": "media/astronaut.png"},
+            {"id": "marked", "prompt": "<image> who ?", "image": "media/astronaut.png"},
+            {"id": "text", "prompt": "no media, no marker"},
+        ],
+    )
     out = root / "o-strict"
     assert make(manifest, "--out", f"{out}/s-%03d.tar", "--require-markers") == 0
     assert "markers placed" not in capsys.readouterr().out
@@ -167,21 +191,27 @@ def test_paths_outside_the_manifest_folder_are_refused_before_they_are_opened(ro
     outside_png = root / "outside" / "coffee.png"
     link = src / "media" / "link.png"
     if not link.exists():
-        link.symlink_to(outside_png)                       # inside the folder, pointing outside
+        link.symlink_to(outside_png)  # inside the folder, pointing outside
     inner = src / "media" / "inner.png"
     if not inner.exists():
-        inner.symlink_to(src / "media" / "chelsea.png")    # a link that stays inside is fine
-    passwd = os.path.relpath("/etc/passwd", src)           # ../../../(...)/etc/passwd
+        inner.symlink_to(src / "media" / "chelsea.png")  # a link that stays inside is fine
+    passwd = os.path.relpath("/etc/passwd", src)  # ../../../(...)/etc/passwd
     assert passwd.startswith("..")
-    manifest = write_manifest(src / "paths.jsonl", [
-        {"id": "passwd", "question": "read ?", "image": passwd},
-        {"id": "dotdot", "question": "what ?", "image": os.path.join("..", "outside", "coffee.png")},
-        {"id": "absolute", "question": "what ?", "image": str(outside_png)},
-        {"id": "symlink", "question": "what ?", "image": "media/link.png"},
-        {"id": "clip", "question": "what ?", "audio": os.path.join("media", "..", "..", "outside", "x.wav")},
-        {"id": "inside", "question": "what ?", "images": ["media/../media/astronaut.png", "media/inner.png",
-                                                           str(src / "media" / "coffee.jpg")]},
-    ])
+    manifest = write_manifest(
+        src / "paths.jsonl",
+        [
+            {"id": "passwd", "question": "read ?", "image": passwd},
+            {"id": "dotdot", "question": "what ?", "image": os.path.join("..", "outside", "coffee.png")},
+            {"id": "absolute", "question": "what ?", "image": str(outside_png)},
+            {"id": "symlink", "question": "what ?", "image": "media/link.png"},
+            {"id": "clip", "question": "what ?", "audio": os.path.join("media", "..", "..", "outside", "x.wav")},
+            {
+                "id": "inside",
+                "question": "what ?",
+                "images": ["media/../media/astronaut.png", "media/inner.png", str(src / "media" / "coffee.jpg")],
+            },
+        ],
+    )
     opened = []
     real_open = prepare.open_regular
     monkeypatch.setattr(prepare, "open_regular", lambda p: opened.append(os.path.realpath(p)) or real_open(p))
@@ -190,16 +220,20 @@ def test_paths_outside_the_manifest_folder_are_refused_before_they_are_opened(ro
     err = capsys.readouterr().err
     assert [s["id"] for s in read_back(out)] == ["inside"]
     rej = rejections(out)
-    assert {k: r["code"] for k, r in rej.items()} == {k: "path-outside-source" for k in
-                                                      ("passwd", "dotdot", "absolute", "symlink", "clip")}
+    assert {k: r["code"] for k, r in rej.items()} == {
+        k: "path-outside-source" for k in ("passwd", "dotdot", "absolute", "symlink", "clip")
+    }
     real_src, real_passwd = os.path.realpath(src), os.path.realpath("/etc/passwd")
-    assert rej["passwd"]["reason"] == (f"{passwd!r} resolves to {real_passwd}, outside the manifest's folder "
-                                       f"{real_src}; --allow-outside allows it (trusted manifests only)")
+    assert rej["passwd"]["reason"] == (
+        f"{passwd!r} resolves to {real_passwd}, outside the manifest's folder "
+        f"{real_src}; --allow-outside allows it (trusted manifests only)"
+    )
     assert f"resolves to {os.path.realpath(outside_png)}, outside" in rej["symlink"]["reason"]
     assert rej["absolute"]["file"] == str(outside_png)
     assert "rejected id=passwd" in err and "path-outside-source" in err
-    assert sorted(opened) == sorted(os.path.realpath(src / "media" / n)
-                                    for n in ("astronaut.png", "chelsea.png", "coffee.jpg"))  # nothing outside
+    assert sorted(opened) == sorted(
+        os.path.realpath(src / "media" / n) for n in ("astronaut.png", "chelsea.png", "coffee.jpg")
+    )  # nothing outside
 
     opened.clear()
     out = root / "o-paths-allowed"
@@ -220,14 +254,38 @@ def test_paths_outside_the_manifest_folder_are_refused_before_they_are_opened(ro
 
 @needs_photos
 def test_field_mapping_with_field_flags(root, capsys):
-    manifest = write_manifest(root / "src" / "custom.jsonl", [
-        {"qid": 17, "text": "what animal ?", "img_paths": ["media/chelsea.png"], "label": "cat",
-         "question": "kept in meta", "answer": "kept too"},
-        {"qid": "b", "text": "and here ?", "img_paths": "media/coffee.jpg", "label": 3},
-    ])
+    manifest = write_manifest(
+        root / "src" / "custom.jsonl",
+        [
+            {
+                "qid": 17,
+                "text": "what animal ?",
+                "img_paths": ["media/chelsea.png"],
+                "label": "cat",
+                "question": "kept in meta",
+                "answer": "kept too",
+            },
+            {"qid": "b", "text": "and here ?", "img_paths": "media/coffee.jpg", "label": 3},
+        ],
+    )
     out = root / "o-fields"
-    assert make(manifest, "--out", f"{out}/s-%03d.tar", "--field", "prompt=text", "--field", "id=qid",
-                "--field", "images=img_paths", "--field", "answer=label", "--strict") == 0
+    assert (
+        make(
+            manifest,
+            "--out",
+            f"{out}/s-%03d.tar",
+            "--field",
+            "prompt=text",
+            "--field",
+            "id=qid",
+            "--field",
+            "images=img_paths",
+            "--field",
+            "answer=label",
+            "--strict",
+        )
+        == 0
+    )
     capsys.readouterr()
     a, b = read_back(out)
     assert (a["id"], a["prompt"], a["answer"]) == ("17", "<image>what animal ?", "cat")
@@ -277,38 +335,47 @@ def test_missing_ids_are_made_from_file_stem_and_line(tmp_path, capsys):
     assert make(folder, "--out", f"{out}/s-%d.tar") == 0
     capsys.readouterr()
     records = read_back(out)
-    assert [(r["id"], r["prompt"]) for r in records] == [("a-1", "one"), ("a-3", "three"), ("b-1", "first of b"),
-                                                         ("5", "five")]
+    assert [(r["id"], r["prompt"]) for r in records] == [
+        ("a-1", "one"),
+        ("a-3", "three"),
+        ("b-1", "first of b"),
+        ("5", "five"),
+    ]
     (row,) = rejections(out).values()  # the explicit id a-1 comes after the made one: a duplicate
     assert row["id"] == "a-1" and row["code"] == "duplicate-id" and row["line"] == f"{folder}/a.jsonl:4"
 
 
 def test_ambiguous_keys_and_bad_values_are_bad_lines(tmp_path, capsys):
-    manifest = write_manifest(tmp_path / "m.jsonl", [
-        {"id": "both", "prompt": "a", "question": "b"},
-        {"id": "imgs", "prompt": "a", "image": "x.png", "images": ["y.png"]},
-        {"id": "bool", "prompt": "a", "answer": True},
-        {"id": "empty-list", "prompt": "a", "answer": []},
-        {"id": "mixed-list", "prompt": "a", "answer": ["x", 1]},
-        {"id": "clash", "prompt": "a", "answer": ["x", "y"], "answers": ["z"]},
-        {"id": "nul", "prompt": "a", "image": "a\0b.png"},  # os calls raise ValueError on it, not OSError
-        {"id": "ok", "prompt": "a", "image": None, "audios": [], "answer": 0},
-        '{"id": "digits", "prompt": "a", "n": 1' + "0" * 5000 + "}",  # json: ValueError, not JSONDecodeError
-        '{"id": "deep", "prompt": "a", "n": ' + "[" * 100_000 + "]" * 100_000 + "}",  # json: RecursionError
-    ])
+    manifest = write_manifest(
+        tmp_path / "m.jsonl",
+        [
+            {"id": "both", "prompt": "a", "question": "b"},
+            {"id": "imgs", "prompt": "a", "image": "x.png", "images": ["y.png"]},
+            {"id": "bool", "prompt": "a", "answer": True},
+            {"id": "empty-list", "prompt": "a", "answer": []},
+            {"id": "mixed-list", "prompt": "a", "answer": ["x", 1]},
+            {"id": "clash", "prompt": "a", "answer": ["x", "y"], "answers": ["z"]},
+            {"id": "nul", "prompt": "a", "image": "a\0b.png"},  # os calls raise ValueError on it, not OSError
+            {"id": "ok", "prompt": "a", "image": None, "audios": [], "answer": 0},
+            '{"id": "digits", "prompt": "a", "n": 1' + "0" * 5000 + "}",  # json: ValueError, not JSONDecodeError
+            '{"id": "deep", "prompt": "a", "n": ' + "[" * 100_000 + "]" * 100_000 + "}",  # json: RecursionError
+        ],
+    )
     out = tmp_path / "o"
     assert make(manifest, "--out", f"{out}/s-%d.tar") == 0
     capsys.readouterr()
     (ok,) = read_back(out)
     assert (ok["id"], ok["prompt"], ok["answer"], ok["media"]) == ("ok", "a", "0", [])
     rej = rejections(out)
-    assert {k: r["code"] for k, r in rej.items()} == {k: "bad-line" for k in
-                                                      ("both", "imgs", "bool", "empty-list", "mixed-list", "clash",
-                                                       "nul", f"{manifest}:9", f"{manifest}:10")}
+    assert {k: r["code"] for k, r in rej.items()} == {
+        k: "bad-line"
+        for k in ("both", "imgs", "bool", "empty-list", "mixed-list", "clash", "nul", f"{manifest}:9", f"{manifest}:10")
+    }
     assert "4300 digits" in rej[f"{manifest}:9"]["reason"]
     assert rej[f"{manifest}:10"]["reason"] == "JSON nested deeper than the limit of 64"
-    assert rej["both"]["reason"] == ("keys 'prompt' and 'question' both give the prompt; keep one, "
-                                     "or choose with --field prompt=KEY")
+    assert rej["both"]["reason"] == (
+        "keys 'prompt' and 'question' both give the prompt; keep one, or choose with --field prompt=KEY"
+    )
     assert "keys 'images' and 'image' both give the images" in rej["imgs"]["reason"]
     assert "already has an 'answers' key" in rej["clash"]["reason"]
     assert rej["nul"]["reason"] == "field 'image': a file path cannot contain a NUL character"

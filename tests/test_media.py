@@ -27,8 +27,11 @@ def test_image_patches_match_qwen2vl_layout():
     # the first patch is the top-left 14x14 block, both temporal copies identical
     p0 = patches[0].view(3, 2, 14, 14)
     torch.testing.assert_close(p0[:, 0], p0[:, 1])
-    x = (np.asarray(img, dtype=np.float32)[:14, :14] / 255.0 - [0.48145466, 0.4578275, 0.40821073]) \
-        / [0.26862954, 0.26130258, 0.27577711]
+    x = (np.asarray(img, dtype=np.float32)[:14, :14] / 255.0 - [0.48145466, 0.4578275, 0.40821073]) / [
+        0.26862954,
+        0.26130258,
+        0.27577711,
+    ]
     torch.testing.assert_close(p0[:, 0], torch.tensor(x.transpose(2, 0, 1), dtype=torch.float32))
     # merge order: patch 1 is the block right of patch 0 (2x2 groups are contiguous)
     x1 = (np.asarray(img, dtype=np.float32)[:14, 14:28, 0] / 255.0 - 0.48145466) / 0.26862954
@@ -59,8 +62,9 @@ def test_log_mel_matches_whisper_for_padded_and_cut_clips(mel_bins, clip_seconds
     n = int(16000 * duration)
     t = np.arange(n) / 16000
     wave = (0.3 * np.sin(2 * np.pi * 300 * t) + 0.01 * np.random.default_rng(1).normal(size=n)).astype(np.float32)
-    fe = WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=16000, n_samples=int(16000 * clip_seconds),
-                                 chunk_length=int(clip_seconds))
+    fe = WhisperFeatureExtractor(
+        feature_size=mel_bins, sampling_rate=16000, n_samples=int(16000 * clip_seconds), chunk_length=int(clip_seconds)
+    )
     ref = fe(wave, sampling_rate=16000, return_tensors="np").input_features[0]
     ours = log_mel(wave, cfg).numpy()
     assert ours.shape == ref.shape == (mel_bins, num_frames(cfg))
@@ -92,7 +96,7 @@ def test_audio_length_is_checked_before_decoding():
         data = bytearray(buf.getvalue())
         if unknown_length:  # STREAMINFO's 36-bit total sample count set to 0: "unknown"
             data[8 + 13] &= 0xF0
-            data[8 + 14: 8 + 18] = b"\0\0\0\0"
+            data[8 + 14 : 8 + 18] = b"\0\0\0\0"
         return bytes(data)
 
     bomb = silent_flac(600)

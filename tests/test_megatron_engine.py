@@ -1,24 +1,33 @@
 """Megatron-core: HF <-> Megatron weight conversion, and (one torchrun launch, 2 processes)
 TP=2 and TP=1 x DP=2 against the torch engine, with exact resume."""
+
 import importlib.util
 
 import pytest
 import torch
-
 from _engine_runs import assert_frozen_and_checkpointed, assert_matches, run_worker
+
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
 from loomrl.platform.engines.base import check_rank_agreement, compare_digests, trajectory_digest
 from loomrl.platform.engines.megatron_convert import Dims, hf_to_megatron, megatron_to_hf
 
-needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                    reason="megatron-core (optional dependency) is not installed")
+needs_megatron = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core (optional dependency) is not installed"
+)
 
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_conversion_round_trips_exactly(tp, tied):
-    cfg = DecoderConfig(vocab_size=37, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=4,
-                        intermediate_size=48, tie_word_embeddings=tied)
+    cfg = DecoderConfig(
+        vocab_size=37,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=48,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     hf = Decoder(cfg).state_dict()
     for v in hf.values():
@@ -34,7 +43,7 @@ def test_conversion_round_trips_exactly(tp, tied):
     qkv = shards[0]["decoder.layers.0.self_attention.linear_qkv.weight"]
     d = cfg.head_dim
     rep = cfg.num_heads // cfg.num_kv_heads
-    assert torch.equal(qkv[rep * d:(rep + 1) * d], hf["model.layers.0.self_attn.k_proj.weight"][:d])
+    assert torch.equal(qkv[rep * d : (rep + 1) * d], hf["model.layers.0.self_attn.k_proj.weight"][:d])
 
 
 def test_conversion_refuses_a_tp_size_that_does_not_divide_the_heads():
@@ -83,7 +92,7 @@ def test_trajectory_digest_sees_ids_rewards_and_order():
     assert d != trajectory_digest([_traj([1, 2], [3, 4], 1.0), _traj([1, 2], [5], 1e-9)])  # a reward
     assert d != trajectory_digest([_traj([1, 2], [3], 1.0), _traj([4, 1, 2], [5], 0.0)])  # where ids split
     assert d != trajectory_digest(base[::-1])
-    assert -2 ** 63 <= d < 2 ** 63  # fits the int64 tensor the ranks all-gather
+    assert -(2**63) <= d < 2**63  # fits the int64 tensor the ranks all-gather
 
 
 def test_compare_digests_names_the_step_and_the_ranks():

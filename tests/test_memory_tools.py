@@ -3,6 +3,7 @@ each decoder layer and each block of a trained tower in the backward and gives t
 path's gradients, while rollouts run as before; per-part freezing (`training.freeze`)
 keeps a part's weights bit-identical through training and out of the optimizer, with
 errors that name the key; `model.encoders.frozen` is the same mechanism for the towers."""
+
 import copy
 import json
 import random
@@ -24,7 +25,7 @@ from loomrl.platform.trainer import Trainer
 from loomrl.platform.trajectory.batch import Trajectory, micro_batches
 
 ROOT = Path(__file__).resolve().parent.parent
-from test_encoding_cache import VISION, png, wav  # media of the encoder tests
+from test_encoding_cache import VISION, png, wav  # noqa: E402 (tests/ on the path: media of the encoder tests)
 
 
 def prompts_of(model, tokenizer, audio: bool = True) -> list[Prompt]:
@@ -73,8 +74,13 @@ def gradients(model, mbs, checkpointing: bool) -> tuple[dict[str, torch.Tensor],
     model = copy.deepcopy(model)
     model.set_activation_checkpointing(checkpointing)
     model.train()
-    calls = count_calls([model.language_model.model.layers[0], model.visual.blocks[0],
-                         *([model.audio_tower.layers[0]] if model.audio_tower is not None else [])])
+    calls = count_calls(
+        [
+            model.language_model.model.layers[0],
+            model.visual.blocks[0],
+            *([model.audio_tower.layers[0]] if model.audio_tower is not None else []),
+        ]
+    )
     for mb in mbs:
         logp, entropy = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media)
         (logp.sum() + 0.1 * entropy.sum()).backward()
@@ -128,8 +134,17 @@ def test_qwen2_5_vl_vision_tower_checkpoints(tmp_path, tokenizer):
     from qwen_checkpoints import _qwen2_vl
 
     _qwen2_vl(str(tmp_path), "qwen2_5_vl")
-    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                      tie_word_embeddings=False, vision=VISION, tokenizer=str(tmp_path), init_from=str(tmp_path))
+    cfg = ModelConfig(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+        vision=VISION,
+        tokenizer=str(tmp_path),
+        init_from=str(tmp_path),
+    )
     tok = load_tokenizer(str(tmp_path))
     model = build_policy(cfg, tok, seed=0)
     assert model.audio_tower is None
@@ -150,8 +165,9 @@ def test_rollouts_and_no_grad_forwards_are_unchanged(demo_model, tokenizer):
         model.set_activation_checkpointing(checkpointing)
         model.train()  # as in the trainer: generate switches to eval and back
         calls = count_calls([model.language_model.model.layers[0]])
-        result = TorchRolloutEngine(model).generate(prompts_of(model, tokenizer), SamplingParams(n=2, max_new_tokens=5),
-                                                    torch.Generator().manual_seed(3))
+        result = TorchRolloutEngine(model).generate(
+            prompts_of(model, tokenizer), SamplingParams(n=2, max_new_tokens=5), torch.Generator().manual_seed(3)
+        )
         assert model.training
         # a train-mode forward without grad (old log-probs) keeps its KV cache and recomputes nothing
         ids = torch.tensor([prompts_of(model, tokenizer)[2].ids])
@@ -224,13 +240,18 @@ def test_freeze_errors_name_the_key(tmp_path, tokenizer):
     assert "'vision', 'merger', 'audio', 'audio_projector', 'language_model', 'embeddings'" in msg
     assert refused("training.freeze=[merger,merger]") == "training.freeze[1]: 'merger' is listed twice"
     assert "every part of the policy is frozen" in refused(
-        "training.freeze=[vision,merger,audio,audio_projector,language_model,embeddings]")
-    assert "with model.encoders.frozen" in refused("model.encoders.frozen=true",
-                                                   "training.freeze=[audio_projector,language_model,embeddings]")
+        "training.freeze=[vision,merger,audio,audio_projector,language_model,embeddings]"
+    )
+    assert "with model.encoders.frozen" in refused(
+        "model.encoders.frozen=true", "training.freeze=[audio_projector,language_model,embeddings]"
+    )
     assert refused("training.freeze=[language_model,embeddings]", "training.warmup.steps=3").startswith(
-        "training.warmup.target:")
+        "training.warmup.target:"
+    )
     assert R.load_recipe(None, ["training.freeze=[language_model,embeddings]"], files=False).training.freeze == [
-        "language_model", "embeddings"]
+        "language_model",
+        "embeddings",
+    ]
 
     # at start: a part the model does not have, and nothing left to train
     model = build_policy(ModelConfig(), tokenizer, seed=0)
@@ -239,18 +260,33 @@ def test_freeze_errors_name_the_key(tmp_path, tokenizer):
     with pytest.raises(R.RecipeError, match=r"training.freeze: the model has no 'audio' to freeze"):
         Trainer(recipe, tmp_path).freeze_parts(model)
     recipe = R.load_recipe(None, ["training.freeze=[vision,merger,language_model,embeddings]"], files=False)
-    with pytest.raises(R.RecipeError, match=r"freezes every part this model has \(vision, merger, "
-                                            r"language_model, embeddings\); nothing would train"):
+    with pytest.raises(
+        R.RecipeError,
+        match=r"freezes every part this model has \(vision, merger, "
+        r"language_model, embeddings\); nothing would train",
+    ):
         Trainer(recipe, tmp_path).freeze_parts(model)
 
 
 def test_short_run_keeps_frozen_parts_bit_identical(tmp_path, loomrl_log):
     out = tmp_path / "run"
-    overrides = [f"data.shards={tmp_path}/shards/demo-*.tar", "data.demo.samples=24",
-                 "algorithm.reward=rewards_for_tests:varied", "training.steps=3", "training.warmup.steps=0",
-                 "training.mini_batches=1", "training.prompts_per_step=3", "training.micro_batch_size=6", "rollout.n=2",
-                 "rollout.max_new_tokens=6", "rollout.drafter.enabled=false", "checkpoint.every=0", "goal=null",
-                 "training.freeze=[vision,merger]", "training.activation_checkpointing=true"]
+    overrides = [
+        f"data.shards={tmp_path}/shards/demo-*.tar",
+        "data.demo.samples=24",
+        "algorithm.reward=rewards_for_tests:varied",
+        "training.steps=3",
+        "training.warmup.steps=0",
+        "training.mini_batches=1",
+        "training.prompts_per_step=3",
+        "training.micro_batch_size=6",
+        "rollout.n=2",
+        "rollout.max_new_tokens=6",
+        "rollout.drafter.enabled=false",
+        "checkpoint.every=0",
+        "goal=null",
+        "training.freeze=[vision,merger]",
+        "training.activation_checkpointing=true",
+    ]
     assert main(["run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(out), *overrides]) == 0
     recipe = R.load_recipe(ROOT / "recipes" / "demo.yaml", overrides, files=False)
     start = build_policy(recipe.model, load_tokenizer("demo"), recipe.training.seed)
@@ -265,8 +301,9 @@ def test_short_run_keeps_frozen_parts_bit_identical(tmp_path, loomrl_log):
     assert changed == {"language_model", "audio_tower", "audio_projector"}
 
     # the optimizer state holds exactly the trainable weights, in order (frozen ones absent)
-    trainable = [p for p in start.parameters() if not any(p is q for q in start.visual.parameters())
-                 and p.requires_grad]
+    trainable = [
+        p for p in start.parameters() if not any(p is q for q in start.visual.parameters()) and p.requires_grad
+    ]
     opt = torch.load(ckpt / "optimizer.pt", weights_only=True)["engine"]["optimizer"]
     (group,) = opt["param_groups"]
     assert len(group["params"]) == len(trainable) < len(list(start.parameters()))

@@ -3,21 +3,39 @@ chat template, a marker-free manifest of real photos (scikit-image) with questio
 `shards make`, SFT with validation, `loomrl export`, GRPO from the export with a verifiable reward
 and validation, `loomrl export` again, and transformers loading that export with the trainer's
 logits (FP32, 1e-5)."""
+
 import json
 import os
 
 import numpy as np
 import torch
 from PIL import Image
+from qwen_checkpoints import CHAT_TEMPLATE, _qwen2_vl
 
 from loomrl.cli import main
-from qwen_checkpoints import CHAT_TEMPLATE, _qwen2_vl
 
 PHOTOS = ["astronaut", "coffee", "chelsea", "rocket"]
 TRAIN_QUESTIONS = ["what is in the picture ?", "what is this ?", "name this picture ?"]
 VAL_QUESTION = "name what is in this ?"  # a wording SFT never saw
-WORDS = ["system", "user", "assistant", "You", "are", "a", "helpful", ".", "what", "is", "in", "the", "picture",
-         "?", "this", "name", *PHOTOS]
+WORDS = [
+    "system",
+    "user",
+    "assistant",
+    "You",
+    "are",
+    "a",
+    "helpful",
+    ".",
+    "what",
+    "is",
+    "in",
+    "the",
+    "picture",
+    "?",
+    "this",
+    "name",
+    *PHOTOS,
+]
 
 
 def _photos(folder):
@@ -53,11 +71,14 @@ def test_sft_grpo_and_export_of_a_users_own_task(tmp_path, monkeypatch):
     _photos(tmp_path / "img")
     # marker-free, as public VQA sets are: `question` / `image` / `answer`, no ids
     train = [{"question": q, "image": f"img/{p}.png", "answer": p} for q in TRAIN_QUESTIONS for p in PHOTOS]
-    train += [{"question": "what is this ?", "image": "img/missing.png", "answer": "rocket"},
-              {"question": "what is this ?", "image": os.path.relpath("/etc/passwd", tmp_path), "answer": "rocket"}]
+    train += [
+        {"question": "what is this ?", "image": "img/missing.png", "answer": "rocket"},
+        {"question": "what is this ?", "image": os.path.relpath("/etc/passwd", tmp_path), "answer": "rocket"},
+    ]
     _manifest(tmp_path / "train.jsonl", train)
-    _manifest(tmp_path / "val.jsonl", [{"question": VAL_QUESTION, "image": f"img/{p}.png", "answer": p}
-                                       for p in PHOTOS])
+    _manifest(
+        tmp_path / "val.jsonl", [{"question": VAL_QUESTION, "image": f"img/{p}.png", "answer": p} for p in PHOTOS]
+    )
     _run(["shards", "make", "train.jsonl", "--out", "shards/train-%06d.tar"])  # the good 12 written, 2 rejected
     rejected = [json.loads(line) for line in (tmp_path / "shards" / "rejected.jsonl").read_text().splitlines()]
     assert sorted(r["code"] for r in rejected) == ["missing-file", "path-outside-source"]
@@ -68,7 +89,9 @@ validation: {shards: val/val-*.tar, every: 10, samples: 4, max_new_tokens: 3}
 logging: {tensorboard: false, progress: false}
 """
     # --- SFT: sizes, tokenizer and chat template all come from the checkpoint
-    sft = _recipe(tmp_path / "sft.yaml", f"""
+    sft = _recipe(
+        tmp_path / "sft.yaml",
+        f"""
 name: sft
 model: {{init_from: base}}
 data: {{shards: shards/train-*.tar, shuffle_buffer: 12}}
@@ -76,7 +99,8 @@ algorithm: {{name: sft, reward: exact}}
 training: {{steps: 30, prompts_per_step: 12, micro_batch_size: 12, lr: 0.003, threads: 1}}
 rollout: {{max_new_tokens: 3}}
 goal: {{metric: val_reward_mean, min_final: 0.75, min_gain: 0.5}}
-{common}""")
+{common}""",
+    )
     _run(["run", sft, "--dry-run"])
     _run(["run", sft, "--out", "runs/sft"])
     val = _val(tmp_path / "runs/sft")
@@ -87,14 +111,17 @@ goal: {{metric: val_reward_mean, min_final: 0.75, min_gain: 0.5}}
     _run(["export", "runs/sft/checkpoints/step-000030", "--out", "sft-hf"])
 
     # --- GRPO from the SFT export, with a verifiable reward
-    grpo = _recipe(tmp_path / "grpo.yaml", f"""
+    grpo = _recipe(
+        tmp_path / "grpo.yaml",
+        f"""
 name: grpo
 model: {{init_from: sft-hf}}
 data: {{shards: shards/train-*.tar, shuffle_buffer: 12}}
 algorithm: {{name: grpo, reward: exact}}
 training: {{steps: 4, prompts_per_step: 4, micro_batch_size: 16, lr: 0.0001, threads: 1}}
 rollout: {{n: 4, max_new_tokens: 3}}
-{common.replace("every: 10", "every: 2")}""")
+{common.replace("every: 10", "every: 2")}""",
+    )
     _run(["run", grpo, "--out", "runs/grpo"])
     gval = _val(tmp_path / "runs/grpo")
     assert [v["step"] for v in gval] == [0, 2, 4]
@@ -124,10 +151,16 @@ rollout: {{n: 4, max_new_tokens: 3}}
     mask = torch.ones_like(ids)
     with torch.no_grad():
         positions, _ = policy.position_ids(ids, mask, [[image]])
-        ours, _ = policy.forward_embeds(policy.embed(ids, [[image]], policy.encode_media([image])), mask,
-                                        positions=positions)
-        theirs = hf(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == hf.config.image_token_id).long(),
-                    pixel_values=image.features, image_grid_thw=image.grid[None]).logits
+        ours, _ = policy.forward_embeds(
+            policy.embed(ids, [[image]], policy.encode_media([image])), mask, positions=positions
+        )
+        theirs = hf(
+            input_ids=ids,
+            attention_mask=mask,
+            mm_token_type_ids=(ids == hf.config.image_token_id).long(),
+            pixel_values=image.features,
+            image_grid_thw=image.grid[None],
+        ).logits
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
     # and the weights moved from the base checkpoint
     base = T.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "base", dtype=torch.float32)

@@ -1,6 +1,7 @@
 """What a user's own task gets wrong is named before training or stops the run cleanly: a reward
 that returns garbage, a validation split without the answers its reward reads, a broken chat
 template at `--dry-run`; VQA answer lists and grounding boxes in manifests reach the rewards."""
+
 import json
 from pathlib import Path
 
@@ -20,21 +21,51 @@ def shards(demo_shards):
 
 
 def _demo(tmp_path, shards, out, *extra):
-    return main(["run", DEMO, "--out", str(tmp_path / out), f"data.shards={shards}/demo-000000.tar",
-                 "training.warmup.steps=0", "training.steps=3", "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2",
-                 "goal=null", "logging.tensorboard=false", *extra])
+    return main(
+        [
+            "run",
+            DEMO,
+            "--out",
+            str(tmp_path / out),
+            f"data.shards={shards}/demo-000000.tar",
+            "training.warmup.steps=0",
+            "training.steps=3",
+            "training.mini_batches=1",
+            "training.prompts_per_step=2",
+            "rollout.n=2",
+            "goal=null",
+            "logging.tensorboard=false",
+            *extra,
+        ]
+    )
 
 
 def test_a_reward_returning_nan_stops_the_run_with_a_checkpoint(tmp_path, shards, capsys, monkeypatch):
     (tmp_path / "bad_reward.py").write_text(
         "import math\ncalls = []\n\ndef reward(completion, sample):\n"
-        "    calls.append(1)\n    return 0.5 if len(calls) <= 4 else math.nan\n")
+        "    calls.append(1)\n    return 0.5 if len(calls) <= 4 else math.nan\n"
+    )
     recipe = tmp_path / "r.yaml"
-    recipe.write_text((ROOT / "recipes" / "demo.yaml").read_text().replace("reward: slot_match", "reward: bad_reward:reward"))
+    recipe.write_text(
+        (ROOT / "recipes" / "demo.yaml").read_text().replace("reward: slot_match", "reward: bad_reward:reward")
+    )
     monkeypatch.chdir(tmp_path)
-    code = main(["run", str(recipe), "--out", "run", f"data.shards={shards}/demo-000000.tar", "training.warmup.steps=0",
-                 "training.steps=3", "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2", "goal=null",
-                 "logging.tensorboard=false"])
+    code = main(
+        [
+            "run",
+            str(recipe),
+            "--out",
+            "run",
+            f"data.shards={shards}/demo-000000.tar",
+            "training.warmup.steps=0",
+            "training.steps=3",
+            "training.mini_batches=1",
+            "training.prompts_per_step=2",
+            "rollout.n=2",
+            "goal=null",
+            "logging.tensorboard=false",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr()
     assert "reward 'reward' on sample" in err.out and "not a finite number" in err.out
@@ -50,7 +81,9 @@ def test_a_validation_split_without_answers_is_refused_before_training(tmp_path,
 
     (tmp_path / "img").mkdir()
     Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "img" / "red.png")
-    (tmp_path / "val.jsonl").write_text(json.dumps({"question": "describe the picture .", "image": "img/red.png"}) + "\n")
+    (tmp_path / "val.jsonl").write_text(
+        json.dumps({"question": "describe the picture .", "image": "img/red.png"}) + "\n"
+    )
     assert main(["shards", "make", str(tmp_path / "val.jsonl"), "--out", str(tmp_path / "val" / "v-%06d.tar")]) == 0
     code = _demo(tmp_path, shards, "run", "algorithm.reward=exact", f"validation.shards={tmp_path}/val/v-*.tar")
     assert code == 2
@@ -70,13 +103,15 @@ def test_dry_run_renders_the_chat_template(tmp_path):
 def test_answer_lists_and_boxes_reach_the_rewards(tmp_path):
     from loomrl.datasets.manifest import parse_line
 
-    entry = parse_line(json.dumps({"id": "a", "prompt": "where ?", "answer": [10, 20, 30, 40]}).encode(), "m:1",
-                       str(tmp_path))
+    entry = parse_line(
+        json.dumps({"id": "a", "prompt": "where ?", "answer": [10, 20, 30, 40]}).encode(), "m:1", str(tmp_path)
+    )
     assert entry.answer == "[10, 20, 30, 40]"
     assert build_reward("iou")("[10, 20, 30, 40]", {"id": "a", "answer": entry.answer}) == 1.0
     assert build_reward("iou")("[10, 20, 20, 40]", {"id": "a", "answer": entry.answer}) == 0.5
-    vqa = parse_line(json.dumps({"id": "b", "prompt": "what ?", "answer": ["cat", "kitty"]}).encode(), "m:2",
-                     str(tmp_path))
+    vqa = parse_line(
+        json.dumps({"id": "b", "prompt": "what ?", "answer": ["cat", "kitty"]}).encode(), "m:2", str(tmp_path)
+    )
     sample = {"id": "b", "answer": vqa.answer, "meta": vqa.meta}
     assert [build_reward("exact")(c, sample) for c in ("kitty", "Cat.", "dog")] == [1.0, 1.0, 0.0]
 

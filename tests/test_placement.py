@@ -2,6 +2,7 @@
 recipe on a machine without CUDA (at --dry-run as at run time), the host <-> device copy
 counter, and a run whose every step reports its copies and keeps every micro-batch, medium
 and rollout tensor on the model's device."""
+
 import json
 from pathlib import Path
 
@@ -42,15 +43,15 @@ def test_cuda_without_cuda_is_refused_naming_the_key(tmp_path, capsys):
 
 def test_copies_between_host_and_device_are_counted_and_moves_within_one_are_not():
     TRANSFERS.take()
-    x = torch.zeros(4, 8)                                  # 128 bytes on the host
-    assert to_device(x, torch.device("cpu")) is x          # same device: no copy, nothing counted
-    moved = to_device(x, torch.device("meta"))             # "meta" stands for an accelerator here
+    x = torch.zeros(4, 8)  # 128 bytes on the host
+    assert to_device(x, torch.device("cpu")) is x  # same device: no copy, nothing counted
+    moved = to_device(x, torch.device("meta"))  # "meta" stands for an accelerator here
     assert moved.device.type == "meta" and moved.shape == x.shape
     to_device(torch.zeros(2, dtype=torch.int64), torch.device("meta"), torch.int32)
     assert to_host(x) is x
     row = TRANSFERS.take()
     assert row == {"h2d_copies": 2, "h2d_mb": (128 + 16) / 2**20, "d2h_copies": 0, "d2h_mb": 0.0}
-    assert TRANSFERS.take()["h2d_copies"] == 0             # take() starts the next step's count
+    assert TRANSFERS.take()["h2d_copies"] == 0  # take() starts the next step's count
 
 
 def test_a_run_keeps_its_tensors_on_the_models_device_and_reports_its_copies(tmp_path, demo_shards, monkeypatch):
@@ -63,14 +64,35 @@ def test_a_run_keeps_its_tensors_on_the_models_device_and_reports_its_copies(tmp
         targets.append(torch.device(device))
         return real(t, device, dtype)
 
-    for module in ("loomrl.platform.trajectory.batch", "loomrl.platform.rollout.torch_engine",
-                   "loomrl.platform.backbone.vlm", "loomrl.platform.algorithms.advantages"):
+    for module in (
+        "loomrl.platform.trajectory.batch",
+        "loomrl.platform.rollout.torch_engine",
+        "loomrl.platform.backbone.vlm",
+        "loomrl.platform.algorithms.advantages",
+    ):
         monkeypatch.setattr(f"{module}.to_device", recording)
     out = tmp_path / "run"
-    assert main(["run", str(ROOT / "recipes/demo.yaml"), "--out", str(out), f"data.shards={demo_shards[0]}/*.tar",
-                 "data.demo=null", "training.device=cpu", "training.steps=2", "training.warmup.steps=1",
-                 "training.prompts_per_step=4", "training.mini_batches=1", "goal=null", "checkpoint.every=0",
-                 "logging.tensorboard=false"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(ROOT / "recipes/demo.yaml"),
+                "--out",
+                str(out),
+                f"data.shards={demo_shards[0]}/*.tar",
+                "data.demo=null",
+                "training.device=cpu",
+                "training.steps=2",
+                "training.warmup.steps=1",
+                "training.prompts_per_step=4",
+                "training.mini_batches=1",
+                "goal=null",
+                "checkpoint.every=0",
+                "logging.tensorboard=false",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     for row in rows:  # nothing crosses on a CPU run; the keys are there for a GPU run to fill

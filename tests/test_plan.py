@@ -2,6 +2,7 @@
 models themselves (transformers' Qwen2.5-VL built from the shipped config on the meta device, loomrl's
 demo policy, a tiny exported Qwen2-VL checkpoint); bytes against figures computed here by hand from
 the config's sizes. Exit codes: 0 fits, 3 does not fit, 2 an error."""
+
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ STORED = ["training.micro_batch_size=8", "training.activation_checkpointing=fals
 SHIPPED = ROOT / "recipes/models/Qwen2.5-VL-3B-Instruct"
 GIB = 1 << 30
 # Qwen2.5-VL-3B's language model, as the brief of the shipped config gives it
-H, L, A, KV, I, V = 2048, 36, 16, 2, 11008, 151936
+H, L, A, KV, I, V = 2048, 36, 16, 2, 11008, 151936  # noqa: E741 (the brief's names)
 D = H // A
 
 
@@ -34,8 +35,11 @@ def hf_counts():
     config = transformers.Qwen2_5_VLConfig.from_pretrained(SHIPPED)
     with torch.device("meta"):
         model = transformers.Qwen2_5_VLForConditionalGeneration(config)
-    return (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.model.visual.parameters()),
-            sum(p.numel() for p in model.model.visual.merger.parameters()))
+    return (
+        sum(p.numel() for p in model.parameters()),
+        sum(p.numel() for p in model.model.visual.parameters()),
+        sum(p.numel() for p in model.model.visual.merger.parameters()),
+    )
 
 
 def _plan(capsys, *argv, code=None):
@@ -67,7 +71,11 @@ def test_shipped_config_is_qwen25_vl_3b():
     assert (v.patch_size, v.spatial_merge_size, v.temporal_patch_size, v.window_size) == (14, 2, 2, 112)
     assert (v.fullatt_block_indexes, v.in_channels, v.tokens_per_second) == ([7, 15, 23, 31], 3, 2)
     assert (cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id) == (
-        151655, 151656, 151652, 151653)
+        151655,
+        151656,
+        151652,
+        151653,
+    )
     assert (t.bos_token_id, t.eos_token_id) == (151643, 151645)
     raw = json.loads((SHIPPED / "config.json").read_text())
     assert "text_config" in raw and "vision_config" in raw  # transformers 5.19's layout
@@ -118,8 +126,15 @@ def test_gpu_memory_decides_whether_it_fits(capsys, gib, code):
 
 def test_frozen_towers_offloaded_optimizer_and_fused_attention(capsys, hf_counts):
     total, visual, _ = hf_counts
-    data, _ = _plan(capsys, ZERO3, *STORED, "model.encoders.frozen=true", "training.deepspeed.offload_optimizer=true",
-                    "training.micro_batch_size=1", "--fused-attention")
+    data, _ = _plan(
+        capsys,
+        ZERO3,
+        *STORED,
+        "model.encoders.frozen=true",
+        "training.deepspeed.offload_optimizer=true",
+        "training.micro_batch_size=1",
+        "--fused-attention",
+    )
     trainable = total - visual
     assert data["params_trainable"] == trainable
     b = data["per_rank_bytes"]

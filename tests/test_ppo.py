@@ -1,5 +1,6 @@
 """PPO: per-token rewards, GAE, whitening and the clipped value loss against hand-computed
 values; the value head and the separate critic in real short runs (checkpoint + resume)."""
+
 import json
 from pathlib import Path
 
@@ -101,24 +102,48 @@ def _tok():
 def cli(tmp: Path, out: str, *extra: str) -> int:
     from loomrl.cli import main
 
-    return main(["run", str(ROOT / "recipes" / "demo-ppo.yaml"), "--out", str(tmp / out),
-                 f"data.shards={tmp}/shards/demo-*.tar", "data.demo.samples=48", "data.shuffle_buffer=20",
-                 "training.steps=4", "training.warmup.steps=2", "training.mini_batches=1", "training.prompts_per_step=4", "rollout.n=2",
-                 "checkpoint.every=1", "checkpoint.keep_last=3", "rollout.drafter.compare_every=0",
-                 "rollout.drafter.adaptive=false",  # bit-identical resume (docs/running.md)
-                 "logging.tensorboard=false", "goal=null", "training.threads=1",
-                 "algorithm.reward=rewards_for_tests:distinct_words", *extra])
+    return main(
+        [
+            "run",
+            str(ROOT / "recipes" / "demo-ppo.yaml"),
+            "--out",
+            str(tmp / out),
+            f"data.shards={tmp}/shards/demo-*.tar",
+            "data.demo.samples=48",
+            "data.shuffle_buffer=20",
+            "training.steps=4",
+            "training.warmup.steps=2",
+            "training.mini_batches=1",
+            "training.prompts_per_step=4",
+            "rollout.n=2",
+            "checkpoint.every=1",
+            "checkpoint.keep_last=3",
+            "rollout.drafter.compare_every=0",
+            "rollout.drafter.adaptive=false",  # bit-identical resume (docs/running.md)
+            "logging.tensorboard=false",
+            "goal=null",
+            "training.threads=1",
+            "algorithm.reward=rewards_for_tests:distinct_words",
+            *extra,
+        ]
+    )
 
 
 def rows(path: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if not k.endswith(("_s", "per_s", "_us", "speedup"))}
-            for line in path.read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.endswith(("_s", "per_s", "_us", "speedup"))}
+        for line in path.read_text().splitlines()
+    ]
 
 
 @pytest.mark.parametrize("critic", ["value_head", "separate"])
 def test_ppo_run_learns_values_checkpoints_and_resumes_exactly(tmp_path, critic):
-    extra = (f"algorithm.ppo.critic={critic}", "algorithm.epochs=2", "algorithm.kl_coef=0.05",
-             "algorithm.kl_placement=reward")
+    extra = (
+        f"algorithm.ppo.critic={critic}",
+        "algorithm.epochs=2",
+        "algorithm.kl_coef=0.05",
+        "algorithm.kl_placement=reward",
+    )
     assert cli(tmp_path, "full", *extra) == 0
     got = rows(tmp_path / "full" / "metrics.jsonl")
     assert [r["step"] for r in got] == [0, 1, 2, 3]

@@ -21,21 +21,27 @@ def test_demo_recipe_loads_with_overrides():
     assert r.data.demo is not None and r.data.demo.samples == 768
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("training: {stepz: 3}", "training.stepz: unknown key; allowed keys here: engine, steps"),
-    ("rollout: {n: eight}", "rollout.n: expected an integer, got 'eight'"),
-    ("rollout: {temperature: true}", "rollout.temperature: expected a number"),
-    ("rollout: {engine: magic}", "rollout.engine: 'magic' is not allowed; allowed values: 'torch'"),
-    ("training: {warmup: {target: both}}", "training.warmup.target: 'both' is not allowed; allowed values: 'answer', 'format'"),
-    ("model: 3", "model: expected a mapping"),
-    ("algorithm: {reward: no_such_reward}", "algorithm.reward: 'no_such_reward' is neither a registered reward"),
-    ("algorithm: {reward: 'os.path:nope'}", "algorithm.reward: cannot load 'os.path:nope'"),
-    ("data: {shards: /nonexistent/x-*.tar, demo: null}", "data.shards: no files match '/nonexistent/x-*.tar'"),
-    ("rollout: {n: 1}", "rollout.n: GRPO needs at least 2"),
-    ("rollout: {drafter: {k: 0}}", "rollout.drafter.k: must be >= 1, got 0"),
-    ("rollout: {drafter: {prefetch_budget: -1}}", "rollout.drafter.prefetch_budget: must be >= 0"),
-    ("- a\n- b", "the top level must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("training: {stepz: 3}", "training.stepz: unknown key; allowed keys here: engine, steps"),
+        ("rollout: {n: eight}", "rollout.n: expected an integer, got 'eight'"),
+        ("rollout: {temperature: true}", "rollout.temperature: expected a number"),
+        ("rollout: {engine: magic}", "rollout.engine: 'magic' is not allowed; allowed values: 'torch'"),
+        (
+            "training: {warmup: {target: both}}",
+            "training.warmup.target: 'both' is not allowed; allowed values: 'answer', 'format'",
+        ),
+        ("model: 3", "model: expected a mapping"),
+        ("algorithm: {reward: no_such_reward}", "algorithm.reward: 'no_such_reward' is neither a registered reward"),
+        ("algorithm: {reward: 'os.path:nope'}", "algorithm.reward: cannot load 'os.path:nope'"),
+        ("data: {shards: /nonexistent/x-*.tar, demo: null}", "data.shards: no files match '/nonexistent/x-*.tar'"),
+        ("rollout: {n: 1}", "rollout.n: GRPO needs at least 2"),
+        ("rollout: {drafter: {k: 0}}", "rollout.drafter.k: must be >= 1, got 0"),
+        ("rollout: {drafter: {prefetch_budget: -1}}", "rollout.drafter.prefetch_budget: must be >= 0"),
+        ("- a\n- b", "the top level must be a mapping"),
+    ],
+)
 def test_bad_recipes_name_the_key(tmp_path, text, expected):
     with pytest.raises(RecipeError) as e:
         load_recipe(write(tmp_path, text))
@@ -51,11 +57,14 @@ def test_override_errors():
         load_recipe("no/such.yaml")
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("training.bogus=1", "training.bogus"),
-    ("training.lr=fast", "training.lr"),
-    ("data.demo=null", "data.shards"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("training.bogus=1", "training.bogus"),
+        ("training.lr=fast", "training.lr"),
+        ("data.demo=null", "data.shards"),
+    ],
+)
 def test_cli_broken_recipe_exits_nonzero_and_writes_nothing(tmp_path, capsys, monkeypatch, override, needle):
     monkeypatch.chdir(tmp_path)  # nothing may appear here, demo shards included
     (tmp_path / "recipes").mkdir()
@@ -122,9 +131,15 @@ def test_yaml_alias_bombs_are_refused_quickly(tmp_path, levels):
         load_recipe(write(tmp_path, alias_bomb(levels)), files=False)
     assert time.perf_counter() - t0 < 2 and len(str(e.value)) < 300
     with pytest.raises(RecipeError, match="alias"):  # and in an override
-        load_recipe(DEMO, ["rollout.n=[&a [1, 1, 1, 1, 1, 1, 1, 1], &b [*a, *a, *a, *a, *a, *a, *a, *a], "
-                           "&c [*b, *b, *b, *b, *b, *b, *b, *b], &d [*c, *c, *c, *c, *c, *c, *c, *c], "
-                           "&e [*d, *d, *d, *d, *d, *d, *d, *d], [*e, *e, *e, *e, *e, *e, *e, *e]]"], files=False)
+        load_recipe(
+            DEMO,
+            [
+                "rollout.n=[&a [1, 1, 1, 1, 1, 1, 1, 1], &b [*a, *a, *a, *a, *a, *a, *a, *a], "
+                "&c [*b, *b, *b, *b, *b, *b, *b, *b], &d [*c, *c, *c, *c, *c, *c, *c, *c], "
+                "&e [*d, *d, *d, *d, *d, *d, *d, *d], [*e, *e, *e, *e, *e, *e, *e, *e]]"
+            ],
+            files=False,
+        )
     with pytest.raises(RecipeError, match="refers to itself"):
         load_recipe(write(tmp_path, "algorithm: {rewards: &a [*a]}"), files=False)
     r = load_recipe(write(tmp_path, "training: {steps: &s 4}\nrollout: {n: *s}\n"), files=False)  # plain aliases

@@ -1,6 +1,7 @@
 """Registries instead of name chains: a part is found by the name a recipe gives it, its traits
 decide what the recipe may combine it with, and a new part is one file and one registration.
 RLOO is the worked example (docs/extending.md), checked by hand."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -50,8 +51,11 @@ def test_recipes_name_what_is_registered():
     assert {"torch", "deepspeed", "megatron"} <= set(TRAINING_ENGINES.names())
     assert {"torch", "vllm"} <= set(ROLLOUT_ENGINES.names())
     assert {"grpo", "ppo", "sft", "rloo"} <= set(ALGORITHMS.names())
-    with pytest.raises(RecipeError, match=r"algorithm.name: 'gpt' is not allowed; allowed values: 'grpo', 'ppo', "
-                                          r"'rloo', 'sft'"):
+    with pytest.raises(
+        RecipeError,
+        match=r"algorithm.name: 'gpt' is not allowed; allowed values: 'grpo', 'ppo', "
+        r"'rloo', 'sft'",
+    ):
         R.load_recipe(DEMO, ["algorithm.name=gpt"])
     with pytest.raises(RecipeError, match="rollout.engine: unknown rollout engine 'gpt'; registered: torch, vllm"):
         ROLLOUT_ENGINES.get("gpt")
@@ -66,6 +70,7 @@ def test_recipes_name_what_is_registered():
 @pytest.fixture()
 def echo_engine():
     """A rollout engine added by one registration (what docs/extending.md shows), removed after."""
+
     @ROLLOUT_ENGINES.register("echo", rounding="native")
     class Echo:
         @classmethod

@@ -2,6 +2,7 @@
 have ranges checked at load; a corrupt checkpoint, metrics file or run folder is a clear
 message naming the file (exit 2), never a traceback; resume picks only `step-NNNNNN`
 checkpoints, survives a metrics line cut by a kill and refuses a state it cannot trust."""
+
 import dataclasses
 import hashlib
 import json
@@ -44,25 +45,28 @@ def no_stale_log_streams():
 # --------------------------------------------------------------------------- item 9: ranges
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("training.lr=.nan", "training.lr: must be a finite number > 0, got nan"),
-    ("training.lr=-1", "training.lr: must be > 0, got -1.0"),
-    ("training.lr=.inf", "training.lr: must be a finite number > 0, got inf"),
-    ("training.lr=" + "9" * 400, "training.lr: must be a finite number > 0, got 999"),
-    ("rollout.temperature=.nan", "rollout.temperature: must be a finite number > 0, got nan"),
-    ("rollout.top_p=.nan", "rollout.top_p: must be a finite number in (0, 1], got nan"),
-    ("model.vision.patch_size=0", "model.vision.patch_size: must be >= 1, got 0"),
-    ("checkpoint.every=-1", "checkpoint.every: must be >= 0, got -1"),
-    ("data.shuffle_buffer=-5", "data.shuffle_buffer: must be >= 0, got -5"),
-    ("training.warmup.lr=-.inf", "training.warmup.lr: must be a finite number > 0, got -inf"),
-    ("goal.min_final=.nan", "goal.min_final: must be a finite number, got nan"),
-    ("algorithm.rewards=[{fn: slot_match, weight: .inf}]", "algorithm.rewards[0].weight: must be a finite number"),
-    ("training.seed=-1", "training.seed: must be in [0, 2147483647], got -1"),
-    ("training.steps=" + "9" * 30, "training.steps: must be >= 0 and below 2**63, got 999"),
-    ("training.deepspeed.zero_stage=4", "training.deepspeed.zero_stage: must be in [0, 3], got 4"),
-    ("algorithm.ppo.gamma=1.5", "algorithm.ppo.gamma: must be in [0, 1], got 1.5"),
-    ("pipeline.max_staleness=-2", "pipeline.max_staleness: must be >= -1, got -2"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("training.lr=.nan", "training.lr: must be a finite number > 0, got nan"),
+        ("training.lr=-1", "training.lr: must be > 0, got -1.0"),
+        ("training.lr=.inf", "training.lr: must be a finite number > 0, got inf"),
+        ("training.lr=" + "9" * 400, "training.lr: must be a finite number > 0, got 999"),
+        ("rollout.temperature=.nan", "rollout.temperature: must be a finite number > 0, got nan"),
+        ("rollout.top_p=.nan", "rollout.top_p: must be a finite number in (0, 1], got nan"),
+        ("model.vision.patch_size=0", "model.vision.patch_size: must be >= 1, got 0"),
+        ("checkpoint.every=-1", "checkpoint.every: must be >= 0, got -1"),
+        ("data.shuffle_buffer=-5", "data.shuffle_buffer: must be >= 0, got -5"),
+        ("training.warmup.lr=-.inf", "training.warmup.lr: must be a finite number > 0, got -inf"),
+        ("goal.min_final=.nan", "goal.min_final: must be a finite number, got nan"),
+        ("algorithm.rewards=[{fn: slot_match, weight: .inf}]", "algorithm.rewards[0].weight: must be a finite number"),
+        ("training.seed=-1", "training.seed: must be in [0, 2147483647], got -1"),
+        ("training.steps=" + "9" * 30, "training.steps: must be >= 0 and below 2**63, got 999"),
+        ("training.deepspeed.zero_stage=4", "training.deepspeed.zero_stage: must be in [0, 3], got 4"),
+        ("algorithm.ppo.gamma=1.5", "algorithm.ppo.gamma: must be in [0, 1], got 1.5"),
+        ("pipeline.max_staleness=-2", "pipeline.max_staleness: must be >= -1, got -2"),
+    ],
+)
 def test_numeric_values_outside_their_range_are_refused_at_load(override, needle, capsys):
     with pytest.raises(RecipeError) as e:
         load_recipe(DEMO, [override], files=False)
@@ -71,18 +75,21 @@ def test_numeric_values_outside_their_range_are_refused_at_load(override, needle
     assert needle in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("model.vision.embed_dim=24", "model.vision.num_heads"),  # head size 6: the 2-D rotary needs a multiple of 4
-    ("model.audio.d_model=63", "model.audio.num_heads"),
-    ("model.hidden_size=18", "model.num_heads"),  # head size 9 (2 heads): RoPE needs an even one
-    ("model.audio.clip_seconds=0.01", "model.audio.clip_seconds"),  # no audio token at all
-    ("model.vision.min_pixels=10000", "model.vision.min_pixels"),  # above max_pixels
-    ("data.shards='x-{a'", "data.shards"),  # unbalanced braces: a traceback at the first read
-    ("data.shards='x-{0..999999999}.tar'", "data.shards"),  # a billion patterns to glob
-    ("algorithm.reward='..:x'", "algorithm.reward"),  # TypeError from importlib
-    ("algorithm.reward=':x'", "algorithm.reward"),  # ValueError from importlib
-    ("training.steps=" + "9" * 5000, "training.steps"),  # int() refuses > 4300 digits
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("model.vision.embed_dim=24", "model.vision.num_heads"),  # head size 6: the 2-D rotary needs a multiple of 4
+        ("model.audio.d_model=63", "model.audio.num_heads"),
+        ("model.hidden_size=18", "model.num_heads"),  # head size 9 (2 heads): RoPE needs an even one
+        ("model.audio.clip_seconds=0.01", "model.audio.clip_seconds"),  # no audio token at all
+        ("model.vision.min_pixels=10000", "model.vision.min_pixels"),  # above max_pixels
+        ("data.shards='x-{a'", "data.shards"),  # unbalanced braces: a traceback at the first read
+        ("data.shards='x-{0..999999999}.tar'", "data.shards"),  # a billion patterns to glob
+        ("algorithm.reward='..:x'", "algorithm.reward"),  # TypeError from importlib
+        ("algorithm.reward=':x'", "algorithm.reward"),  # ValueError from importlib
+        ("training.steps=" + "9" * 5000, "training.steps"),  # int() refuses > 4300 digits
+    ],
+)
 def test_values_that_passed_load_and_failed_later_are_refused(override, needle):
     t0 = time.perf_counter()
     with pytest.raises(RecipeError) as e:
@@ -118,7 +125,7 @@ def test_every_numeric_field_has_a_range_its_default_is_in_and_outside_is_refuse
         assert isinstance(rng, R.Range), f"{key}: no range declared (use recipe.ranged)"
         default = f.default
         assert default is None or rng.contains(default), f"{key}: default {default} outside {rng}"
-        outside = [".nan", ".inf", "-.inf"] if tp is float else ["1.5", str(2 ** 63)]
+        outside = [".nan", ".inf", "-.inf"] if tp is float else ["1.5", str(2**63)]
         if rng.low is not None:
             outside.append(repr(rng.low - 1) if tp is int or not rng.low_open else repr(rng.low))
         if rng.high is not None:
@@ -145,16 +152,71 @@ def test_recipe_reference_shows_the_ranges(capsys):
 
 TYPES = {key: tp for key, tp, *_ in R.field_docs()}
 KEYS = list(TYPES)
-INTS = ["0", "1", "2", "3", "4", "8", "-1", "-2", "64", "1000", "65536", str(2 ** 31), str(2 ** 63), "9" * 25,
-        "-" + "9" * 25, "9" * 5000, "0x" + "f" * 5000, "0o777", "1_000"]
+INTS = [
+    "0",
+    "1",
+    "2",
+    "3",
+    "4",
+    "8",
+    "-1",
+    "-2",
+    "64",
+    "1000",
+    "65536",
+    str(2**31),
+    str(2**63),
+    "9" * 25,
+    "-" + "9" * 25,
+    "9" * 5000,
+    "0x" + "f" * 5000,
+    "0o777",
+    "1_000",
+]
 NUMBERS = INTS + [".nan", "-.nan", ".inf", "-.inf", "-0.0", "0.5", "1.5", "3.5", "1.0e-300", "1.0e308", "1.0e999"]
-LITERALS = ["null", "~", "true", "false", "''", "'nan'", "[]", "{}", "[1, 2]", "{a: 1}", "[[[[[1]]]]]",
-            "{fn: slot_match, weight: .nan}", "[{fn: slot_match, weight: .inf}]", "[{model: Zq, fn: Zq}]",
-            "2001-01-01", "2001-02-31", "!!binary aGVsbG8=", "!!python/object/apply:os.system [echo pwned]",
-            "*undefined", "&a [*a]", "'{0..99999999999}'", "'{a'", "'x-{0..3}.tar'", "'..:Zq'", "':Zq'", "'Zq:Zq'",
-            "torch", "vllm", "grpo", "ppo", "disaggregated", "deepspeed", "megatron", "{steps: .nan}",
-            "[" + ", ".join(["1"] * 200) + "]", "\"\\u2603\"", "'a: b'", "{? [1]: 2}", "[1, {b: [2, .inf]}]",
-            "'" + "x" * 5000 + "'", "'" + "{" * 2000 + "}" * 2000 + "'"]
+LITERALS = [
+    "null",
+    "~",
+    "true",
+    "false",
+    "''",
+    "'nan'",
+    "[]",
+    "{}",
+    "[1, 2]",
+    "{a: 1}",
+    "[[[[[1]]]]]",
+    "{fn: slot_match, weight: .nan}",
+    "[{fn: slot_match, weight: .inf}]",
+    "[{model: Zq, fn: Zq}]",
+    "2001-01-01",
+    "2001-02-31",
+    "!!binary aGVsbG8=",
+    "!!python/object/apply:os.system [echo pwned]",
+    "*undefined",
+    "&a [*a]",
+    "'{0..99999999999}'",
+    "'{a'",
+    "'x-{0..3}.tar'",
+    "'..:Zq'",
+    "':Zq'",
+    "'Zq:Zq'",
+    "torch",
+    "vllm",
+    "grpo",
+    "ppo",
+    "disaggregated",
+    "deepspeed",
+    "megatron",
+    "{steps: .nan}",
+    "[" + ", ".join(["1"] * 200) + "]",
+    '"\\u2603"',
+    "'a: b'",
+    "{? [1]: 2}",
+    "[1, {b: [2, .inf]}]",
+    "'" + "x" * 5000 + "'",
+    "'" + "{" * 2000 + "}" * 2000 + "'",
+]
 
 
 def random_value(rng: random.Random, key: str) -> str:
@@ -213,8 +275,18 @@ def test_fuzz_recipe_overrides_only_clean_refusals(capsys, tmp_path, monkeypatch
     for i in range(600):
         overrides = [random_override(rng) for _ in range(rng.choice([1, 1, 1, 2, 3]))]
         if rng.random() < 0.2:  # also plausible values, to get past the first refusal
-            overrides.append(rng.choice(["rollout.n=4", "training.prompts_per_step=4", "rollout.engine=vllm",
-                                         "algorithm.name=ppo", "data.demo=null", "goal=null"]))
+            overrides.append(
+                rng.choice(
+                    [
+                        "rollout.n=4",
+                        "training.prompts_per_step=4",
+                        "rollout.engine=vllm",
+                        "algorithm.name=ppo",
+                        "data.demo=null",
+                        "goal=null",
+                    ]
+                )
+            )
         try:
             load_recipe(DEMO, overrides, files=False)
             loaded += 1
@@ -240,8 +312,9 @@ def test_fuzz_recipe_overrides_only_clean_refusals(capsys, tmp_path, monkeypatch
 def _rewrite_manifest(ckpt: Path) -> None:
     """What someone 'repairing' a checkpoint does: the manifest vouches for the files as they are."""
     files = sorted(p.name for p in ckpt.iterdir() if p.name != "manifest.json")
-    (ckpt / "manifest.json").write_text(json.dumps(
-        {n: hashlib.sha256((ckpt / n).read_bytes()).hexdigest() for n in files}))
+    (ckpt / "manifest.json").write_text(
+        json.dumps({n: hashlib.sha256((ckpt / n).read_bytes()).hexdigest() for n in files})
+    )
 
 
 @pytest.fixture()
@@ -270,12 +343,18 @@ def test_a_pickled_optimizer_file_is_refused_without_unpickling(ckpt, model):
     assert "optimizer.pt" in str(e.value) and "weights_only" not in str(e.value)
 
 
-@pytest.mark.parametrize("manifest, needle", [
-    ("[\"model.safetensors\", \"optimizer.pt\", \"state.json\"]", "manifest.json: not a JSON object"),
-    ("{not json", "manifest.json: not valid JSON"),
-    ('{"model.safetensors": 1, "optimizer.pt": "x", "state.json": "y"}', "manifest.json: not a JSON object"),
-    ('{"up/x": "0", "model.safetensors": "x", "optimizer.pt": "x", "state.json": "y"}', "'up/x' is not a file name"),
-])
+@pytest.mark.parametrize(
+    "manifest, needle",
+    [
+        ('["model.safetensors", "optimizer.pt", "state.json"]', "manifest.json: not a JSON object"),
+        ("{not json", "manifest.json: not valid JSON"),
+        ('{"model.safetensors": 1, "optimizer.pt": "x", "state.json": "y"}', "manifest.json: not a JSON object"),
+        (
+            '{"up/x": "0", "model.safetensors": "x", "optimizer.pt": "x", "state.json": "y"}',
+            "'up/x' is not a file name",
+        ),
+    ],
+)
 def test_a_malformed_manifest_is_a_message(ckpt, model, manifest, needle):
     (ckpt / "manifest.json").write_text(manifest)
     with pytest.raises(ValueError, match="") as e:
@@ -283,12 +362,15 @@ def test_a_malformed_manifest_is_a_message(ckpt, model, manifest, needle):
     assert needle in str(e.value) and str(ckpt) in str(e.value)
 
 
-@pytest.mark.parametrize("state, needle", [
-    ([1, 2], "state.json: not a JSON object"),
-    ("{", "state.json: not valid JSON"),
-    ({"step": -5}, "state.json: 'step' must be an integer >= 0, got -5"),
-    ({"step": 1, "warmup_step": "3"}, "state.json: 'warmup_step' must be an integer >= 0, got '3'"),
-])
+@pytest.mark.parametrize(
+    "state, needle",
+    [
+        ([1, 2], "state.json: not a JSON object"),
+        ("{", "state.json: not valid JSON"),
+        ({"step": -5}, "state.json: 'step' must be an integer >= 0, got -5"),
+        ({"step": 1, "warmup_step": "3"}, "state.json: 'warmup_step' must be an integer >= 0, got '3'"),
+    ],
+)
 def test_state_json_that_is_not_an_object_is_a_message(ckpt, model, state, needle):
     (ckpt / "state.json").write_text(state if isinstance(state, str) else json.dumps(state))
     _rewrite_manifest(ckpt)
@@ -297,22 +379,30 @@ def test_state_json_that_is_not_an_object_is_a_message(ckpt, model, state, needl
     assert needle in str(e.value)
 
 
-GOOD_STATE = {"step": 4, "version": 4, "data": {}, "recipe": {},
-              "trajectories": {"generated": 0, "trained": 0, "dropped": 0, "dropped_by_reason": {}}}
+GOOD_STATE = {
+    "step": 4,
+    "version": 4,
+    "data": {},
+    "recipe": {},
+    "trajectories": {"generated": 0, "trained": 0, "dropped": 0, "dropped_by_reason": {}},
+}
 GOOD_ENGINE = {"engine": {}, "torch_rng": torch.get_rng_state(), "source": {}}
 
 
-@pytest.mark.parametrize("change, needle", [
-    ({"step": -5}, "state.json: 'step' must be an integer >= 0, got -5"),
-    ({"step": "4"}, "state.json: 'step' must be an integer >= 0, got '4'"),
-    ({"step": 4.0}, "state.json: 'step' must be an integer >= 0, got 4.0"),
-    ({"step": True}, "state.json: 'step' must be an integer >= 0, got True"),
-    ({"version": -1}, "state.json: 'version' must be an integer >= 0"),
-    ({"data": None}, "state.json: 'data' must be a JSON object"),
-    ({"trajectories": []}, "state.json: 'trajectories' must be a JSON object"),
-    ({"trajectories": {"generated": 1}}, "state.json: 'trajectories' has no 'trained'"),
-    ({"trajectories": dict(GOOD_STATE["trajectories"], dropped=-1)}, "state.json: 'dropped' must be an integer"),
-])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"step": -5}, "state.json: 'step' must be an integer >= 0, got -5"),
+        ({"step": "4"}, "state.json: 'step' must be an integer >= 0, got '4'"),
+        ({"step": 4.0}, "state.json: 'step' must be an integer >= 0, got 4.0"),
+        ({"step": True}, "state.json: 'step' must be an integer >= 0, got True"),
+        ({"version": -1}, "state.json: 'version' must be an integer >= 0"),
+        ({"data": None}, "state.json: 'data' must be a JSON object"),
+        ({"trajectories": []}, "state.json: 'trajectories' must be a JSON object"),
+        ({"trajectories": {"generated": 1}}, "state.json: 'trajectories' has no 'trained'"),
+        ({"trajectories": dict(GOOD_STATE["trajectories"], dropped=-1)}, "state.json: 'dropped' must be an integer"),
+    ],
+)
 def test_run_state_with_bad_values_is_refused(tmp_path, change, needle):
     from loomrl.platform.checkpoint import check_run_state
 
@@ -370,12 +460,15 @@ def test_a_run_folder_that_cannot_be_created_is_a_message(tmp_path, capsys, monk
 # --------------------------------------------------------------------------- item 11: report
 
 
-@pytest.mark.parametrize("rows, needle", [
-    (["[1, 2]"], "metrics.jsonl:1: not a JSON object"),
-    (['{"step": 0, "loss": 1}', '"text"'], "metrics.jsonl:2: not a JSON object"),
-    (['{"reward_mean": 0.5}'], "metrics.jsonl:1: no integer 'step'"),
-    (['{"step": "zero"}'], "metrics.jsonl:1: no integer 'step'"),
-])
+@pytest.mark.parametrize(
+    "rows, needle",
+    [
+        (["[1, 2]"], "metrics.jsonl:1: not a JSON object"),
+        (['{"step": 0, "loss": 1}', '"text"'], "metrics.jsonl:2: not a JSON object"),
+        (['{"reward_mean": 0.5}'], "metrics.jsonl:1: no integer 'step'"),
+        (['{"step": "zero"}'], "metrics.jsonl:1: no integer 'step'"),
+    ],
+)
 def test_report_on_rows_that_are_not_step_objects_exits_2(tmp_path, capsys, rows, needle):
     (tmp_path / "metrics.jsonl").write_text("".join(r + "\n" for r in rows))
     assert main(["report", str(tmp_path)]) == 2
@@ -383,8 +476,10 @@ def test_report_on_rows_that_are_not_step_objects_exits_2(tmp_path, capsys, rows
 
 
 def test_report_plots_what_it_can_of_odd_values(tmp_path, capsys):
-    rows = [{"step": 0, "reward_mean": "high", "loss": None, "tokens_per_s": 10 ** 400},
-            {"step": 1, "reward_mean": 0.5, "loss": float("nan"), "tokens_per_s": True}]
+    rows = [
+        {"step": 0, "reward_mean": "high", "loss": None, "tokens_per_s": 10**400},
+        {"step": 1, "reward_mean": 0.5, "loss": float("nan"), "tokens_per_s": True},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["report", str(tmp_path)]) == 0
     assert (tmp_path / "report.png").is_file()
@@ -421,22 +516,49 @@ def test_resume_command_is_shell_quoted(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(trainer.Trainer, "run", interrupted)
     out = tmp_path / "my run's folder"
-    overrides = ["algorithm.reward=rewards_for_tests:distinct_words", "data.shards=data/demo/demo-*.tar",
-                 "training.lr=0.0005"]
+    overrides = [
+        "algorithm.reward=rewards_for_tests:distinct_words",
+        "data.shards=data/demo/demo-*.tar",
+        "training.lr=0.0005",
+    ]
     assert main(["run", DEMO, *overrides, "--out", str(out)]) == 130
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("resume with: ")][0]
-    assert shlex.split(line.removeprefix("resume with: ")) == ["loomrl", "run", DEMO, *overrides, "--out", str(out),
-                                                              "--resume"]
+    assert shlex.split(line.removeprefix("resume with: ")) == [
+        "loomrl",
+        "run",
+        DEMO,
+        *overrides,
+        "--out",
+        str(out),
+        "--resume",
+    ]
 
 
 # a short real run, then resumes from a checkpoint of it in new folders
 
 
 def run_args(shards: Path, out: Path, *extra: str) -> list[str]:
-    return ["run", DEMO, "--out", str(out), f"data.shards={shards}/*.tar", "data.demo=null", "training.steps=4",
-            "training.warmup.steps=0", "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=4",
-            "training.threads=1", "checkpoint.every=2", "checkpoint.keep_last=10", "logging.tensorboard=false",
-            "goal=null", "logging.progress=false", *extra]
+    return [
+        "run",
+        DEMO,
+        "--out",
+        str(out),
+        f"data.shards={shards}/*.tar",
+        "data.demo=null",
+        "training.steps=4",
+        "training.warmup.steps=0",
+        "training.mini_batches=1",
+        "training.prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        "training.threads=1",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=10",
+        "logging.tensorboard=false",
+        "goal=null",
+        "logging.progress=false",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -462,11 +584,14 @@ def test_resume_skips_a_stray_bak_and_survives_a_cut_metrics_line(short_run, cap
     assert steps == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (lambda s: s.update(step=-5), "state.json: 'step' must be an integer >= 0, got -5"),
-    (lambda s: s.pop("data"), "state.json: no 'data'"),
-    (lambda s: s["data"].pop("epoch"), "state.json: does not fit this run: KeyError: 'epoch'"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda s: s.update(step=-5), "state.json: 'step' must be an integer >= 0, got -5"),
+        (lambda s: s.pop("data"), "state.json: no 'data'"),
+        (lambda s: s["data"].pop("epoch"), "state.json: does not fit this run: KeyError: 'epoch'"),
+    ],
+)
 def test_resume_from_a_tampered_state_is_refused(short_run, capsys, tmp_path, edit, needle):
     ckpt = tmp_path / "step-000002"
     shutil.copytree(short_run / "run" / "checkpoints" / "step-000002", ckpt)

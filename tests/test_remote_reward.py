@@ -2,6 +2,7 @@
 started in the test (127.0.0.1, a free port): batches as configured, retries on 503 and
 timeouts with their count checked, clear errors naming the URL, replies that are not JSON /
 the wrong length / not finite refused, and a recipe's url source scored through sources.py."""
+
 import json
 import threading
 import time
@@ -49,7 +50,7 @@ class Server:
                 self.end_headers()
                 if outer.trickle_s:
                     for i in range(len(data)):
-                        self.wfile.write(data[i:i + 1])
+                        self.wfile.write(data[i : i + 1])
                         self.wfile.flush()
                         time.sleep(outer.trickle_s)
                 else:
@@ -65,8 +66,7 @@ class Server:
         self.httpd = Quiet(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02},
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
         self.thread.start()
         self.closed = False
 
@@ -146,15 +146,18 @@ def test_nobody_listening_is_retried_then_an_error(server):
         RemoteReward(url, timeout_s=1, retries=1, backoff_s=0.01).score(["a"], SAMPLES[:1])
 
 
-@pytest.mark.parametrize("reply, needle", [
-    (b"<html>oops</html>", "the reply is not JSON"),
-    (b'{"rewards": [0.5, 0.5]}', "2 rewards for 1 completions"),
-    (b'{"scores": [0.5]}', 'expected {"rewards": [...]}'),
-    (b'{"rewards": [NaN]}', "reward 0 is NaN, not a finite number"),
-    (b'{"rewards": [1e999]}', "reward 0 is Infinity, not a finite number"),
-    (b'{"rewards": ["0.5"]}', "reward 0 is \"0.5\", not a finite number"),
-    (b'{"rewards": [true]}', "reward 0 is true, not a finite number"),
-])
+@pytest.mark.parametrize(
+    "reply, needle",
+    [
+        (b"<html>oops</html>", "the reply is not JSON"),
+        (b'{"rewards": [0.5, 0.5]}', "2 rewards for 1 completions"),
+        (b'{"scores": [0.5]}', 'expected {"rewards": [...]}'),
+        (b'{"rewards": [NaN]}', "reward 0 is NaN, not a finite number"),
+        (b'{"rewards": [1e999]}', "reward 0 is Infinity, not a finite number"),
+        (b'{"rewards": ["0.5"]}', 'reward 0 is "0.5", not a finite number'),
+        (b'{"rewards": [true]}', "reward 0 is true, not a finite number"),
+    ],
+)
 def test_bad_replies_are_errors_without_retry(server, reply, needle):
     server.reply = lambda req: reply
     with pytest.raises(RemoteRewardError) as e:

@@ -1,5 +1,6 @@
 """Exact resume: a run killed with SIGKILL during a rollout, an optimizer step or a
 checkpoint write, then resumed, logs the same metrics as an uninterrupted run."""
+
 import json
 import os
 import subprocess
@@ -13,20 +14,43 @@ TIMING = ("_s", "per_s", "_us", "speedup")
 
 
 def cli(tmp: Path, out: str, *extra: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, LOOMRL_KILL_AT=kill_at or "",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    args = [sys.executable, "-m", "loomrl.cli", "run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(tmp / out),
-            f"data.shards={tmp}/shards/demo-*.tar", "data.demo.samples=48", "data.shuffle_buffer=20",
-            "training.steps=6", "training.warmup.steps=2", "training.mini_batches=1", "training.prompts_per_step=4", "rollout.n=4",
-            "checkpoint.every=1", "checkpoint.keep_last=3", "rollout.drafter.enabled=true",
-            "rollout.drafter.adaptive=false",  # adaptive draft lengths follow timings (tokens do not)
-            "logging.tensorboard=false", "goal=null", "algorithm.reward=rewards_for_tests:distinct_words", *extra]
+    env = dict(
+        os.environ,
+        LOOMRL_KILL_AT=kill_at or "",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
+    args = [
+        sys.executable,
+        "-m",
+        "loomrl.cli",
+        "run",
+        str(ROOT / "recipes" / "demo.yaml"),
+        "--out",
+        str(tmp / out),
+        f"data.shards={tmp}/shards/demo-*.tar",
+        "data.demo.samples=48",
+        "data.shuffle_buffer=20",
+        "training.steps=6",
+        "training.warmup.steps=2",
+        "training.mini_batches=1",
+        "training.prompts_per_step=4",
+        "rollout.n=4",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=3",
+        "rollout.drafter.enabled=true",
+        "rollout.drafter.adaptive=false",  # adaptive draft lengths follow timings (tokens do not)
+        "logging.tensorboard=false",
+        "goal=null",
+        "algorithm.reward=rewards_for_tests:distinct_words",
+        *extra,
+    ]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
 
 
 def rows(path: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if not k.endswith(TIMING)}
-            for line in path.read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.endswith(TIMING)} for line in path.read_text().splitlines()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +132,7 @@ def test_thousand_step_synthetic_run_stays_within_the_caps(demo_shards, model, t
     from loomrl.platform.rollout.drafter import NgramDrafter
 
     _, files = demo_shards
-    source = PromptSource(ShardStream(files, shuffle_buffer=8, seed=1), model, tokenizer, ModelConfig(),
-                          media_cache=6)
+    source = PromptSource(ShardStream(files, shuffle_buffer=8, seed=1), model, tokenizer, ModelConfig(), media_cache=6)
     cfg = DrafterConfig(max_history=4, max_history_tokens=60, max_prompts=10, global_history=20)
     drafter = NgramDrafter(cfg)
     rng = _random.Random(0)

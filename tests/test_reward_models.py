@@ -1,6 +1,7 @@
 """Reward sources: a learned reward model (a tiny transformers sequence classifier saved to a
 local folder, as a user's checkpoint would be) scores exactly what the model computes directly;
 sources combine with their weights; bad sources are refused naming the key."""
+
 import pytest
 import torch
 
@@ -8,9 +9,11 @@ from loomrl.platform.recipe import AlgorithmConfig, RecipeError, RewardSourceCon
 from loomrl.platform.rewards.models import RewardModel
 from loomrl.platform.rewards.sources import build_sources, score
 
-SAMPLES = [{"prompt": "<image> describe the picture .", "answer": "a red shape", "meta": {}},
-           {"prompt": "<audio> describe the sound .", "answer": "a high tone plays", "meta": {}},
-           {"prompt": "<image> <audio> describe both .", "answer": "x", "meta": {}}]
+SAMPLES = [
+    {"prompt": "<image> describe the picture .", "answer": "a red shape", "meta": {}},
+    {"prompt": "<audio> describe the sound .", "answer": "a high tone plays", "meta": {}},
+    {"prompt": "<image> <audio> describe both .", "answer": "x", "meta": {}},
+]
 COMPLETIONS = ["a small red shape is shown .", "a high tone", "a large blue shape is shown while a low tone plays ."]
 
 
@@ -23,8 +26,15 @@ def rm_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("rm")
     tok = load_tokenizer("demo")  # a word-level tokenizer (a Qwen2 config would make AutoTokenizer pick Qwen2's BPE)
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_labels=1, pad_token_id=tok.pad_token_id)
+    cfg = BertConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )
     model = BertForSequenceClassification(cfg)
     with torch.no_grad():
         model.classifier.weight.normal_(std=1.0)  # visible score differences between texts
@@ -39,19 +49,26 @@ def test_reward_model_score_equals_the_models_own_score(rm_dir):
     rm = RewardModel(d, "cpu", batch_size=2)  # 3 completions: two batches, padding inside a batch
     got = rm.score(COMPLETIONS, SAMPLES)
     with torch.no_grad():
-        direct = [float(model(**tok(s["prompt"], c, return_tensors="pt")).logits[0, 0])
-                  for c, s in zip(COMPLETIONS, SAMPLES)]
+        direct = [
+            float(model(**tok(s["prompt"], c, return_tensors="pt")).logits[0, 0]) for c, s in zip(COMPLETIONS, SAMPLES)
+        ]
     assert got == pytest.approx(direct, abs=1e-5)
     assert len(set(round(x, 4) for x in got)) == 3
     alone = RewardModel(d, "cpu", with_prompt=False).score(COMPLETIONS[:1], SAMPLES[:1])
     with torch.no_grad():
-        assert alone[0] == pytest.approx(float(model(**tok(COMPLETIONS[0], return_tensors="pt")).logits[0, 0]), abs=1e-5)
+        assert alone[0] == pytest.approx(
+            float(model(**tok(COMPLETIONS[0], return_tensors="pt")).logits[0, 0]), abs=1e-5
+        )
 
 
 def test_sources_combine_with_weights_and_report_each(rm_dir):
     d, _, _ = rm_dir
-    a = AlgorithmConfig(rewards=[RewardSourceConfig(fn="exact_match", weight=2.0),
-                                 RewardSourceConfig(model=str(d), weight=-0.5, name="rm")])
+    a = AlgorithmConfig(
+        rewards=[
+            RewardSourceConfig(fn="exact_match", weight=2.0),
+            RewardSourceConfig(model=str(d), weight=-0.5, name="rm"),
+        ]
+    )
     sources = build_sources(a, "cpu")
     samples = [dict(SAMPLES[0], answer=COMPLETIONS[0]), SAMPLES[1]]
     total, by = score(sources, COMPLETIONS[:2], samples)
@@ -97,12 +114,29 @@ def test_run_with_a_reward_model_reports_each_source(tmp_path, rm_dir, demo_shar
     d, _, _ = rm_dir
     shards, _ = demo_shards
     root = Path(__file__).resolve().parent.parent
-    assert main(["run", str(root / "recipes" / "demo.yaml"), "--out", str(tmp_path / "run"),
-                 f"data.shards={shards}/demo-*.tar", "training.steps=2", "training.warmup.steps=0",
-                 "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2", "goal=null", "logging.tensorboard=false",
-                 "rollout.drafter.compare_every=0", "training.threads=1",
-                 f"algorithm.rewards=[{{fn: 'rewards_for_tests:distinct_words', name: words}}, "
-                 f"{{model: '{d}', weight: 0.5, name: rm}}]"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(root / "recipes" / "demo.yaml"),
+                "--out",
+                str(tmp_path / "run"),
+                f"data.shards={shards}/demo-*.tar",
+                "training.steps=2",
+                "training.warmup.steps=0",
+                "training.mini_batches=1",
+                "training.prompts_per_step=2",
+                "rollout.n=2",
+                "goal=null",
+                "logging.tensorboard=false",
+                "rollout.drafter.compare_every=0",
+                "training.threads=1",
+                f"algorithm.rewards=[{{fn: 'rewards_for_tests:distinct_words', name: words}}, "
+                f"{{model: '{d}', weight: 0.5, name: rm}}]",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
         assert r["reward_words_mean"] > 0 and r["reward_rm_mean"] != 0

@@ -9,12 +9,23 @@ def test_rollout_logprobs_equal_a_plain_forward(model, samples):
     prompts = [Prompt(s.id, s.ids, s.media) for s in samples[:3]]  # image, audio, both
     assert {len(p.media) for p in prompts} == {1, 2}
     engine = TorchRolloutEngine(model)
-    res = engine.generate(prompts, SamplingParams(n=3, temperature=0.8, max_new_tokens=10),
-                          torch.Generator().manual_seed(0))
+    res = engine.generate(
+        prompts, SamplingParams(n=3, temperature=0.8, max_new_tokens=10), torch.Generator().manual_seed(0)
+    )
     assert len(res.rollouts) == 9 and res.forwards >= 2
-    trajs = [Trajectory(prompts[r.prompt_index].id, r.prompt_index, prompts[r.prompt_index].ids,
-                        r.completion_ids, prompts[r.prompt_index].media, r.logprobs, 0.0, 0)
-             for r in res.rollouts]
+    trajs = [
+        Trajectory(
+            prompts[r.prompt_index].id,
+            r.prompt_index,
+            prompts[r.prompt_index].ids,
+            r.completion_ids,
+            prompts[r.prompt_index].media,
+            r.logprobs,
+            0.0,
+            0,
+        )
+        for r in res.rollouts
+    ]
     mb = collate(trajs, model.pad_token_id)
     with torch.no_grad():
         logp, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature=0.8)
@@ -25,8 +36,9 @@ def test_rollout_logprobs_equal_a_plain_forward(model, samples):
 
 def test_rollouts_stop_at_eos_and_are_grouped(model, samples):
     prompts = [Prompt(s.id, s.ids, s.media) for s in samples[:2]]
-    res = TorchRolloutEngine(model).generate(prompts, SamplingParams(n=4, max_new_tokens=6),
-                                             torch.Generator().manual_seed(1))
+    res = TorchRolloutEngine(model).generate(
+        prompts, SamplingParams(n=4, max_new_tokens=6), torch.Generator().manual_seed(1)
+    )
     assert [(r.prompt_index, r.sample_index) for r in res.rollouts] == [(p, j) for p in range(2) for j in range(4)]
     for r in res.rollouts:
         assert 1 <= len(r.completion_ids) <= 6 and len(r.logprobs) == len(r.completion_ids)

@@ -1,16 +1,17 @@
 """Where each rounding mode rounds: native == transformers' Qwen2 modules bit for bit in BF16;
 aligned == a hand-written FP32 computation rounded once; FP32 identical in every mode (the vllm
 attention formula, which FP32 does not run, equal to SDPA to 1e-6 with its gradients)."""
+
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from rounding_reference import aligned_logits
 
 from loomrl.platform.backbone import rounding as R
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, rope_cos_sin
 from loomrl.platform.backbone.rounding import SETTINGS, Regions
-from rounding_reference import aligned_logits
 
 BF16 = torch.bfloat16
 
@@ -41,8 +42,12 @@ def test_native_swiglu_and_rope_are_transformers_bit_for_bit():
     from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RotaryEmbedding, apply_rotary_pos_emb
 
     x, g = _inputs(1)
-    cfg = Qwen2Config(hidden_size=16, intermediate_size=32, num_attention_heads=1,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg = Qwen2Config(
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     mlp = Qwen2MLP(cfg).to(BF16)
     h = x[0]
     gate, up = mlp.gate_proj(h), mlp.up_proj(h)
@@ -60,12 +65,12 @@ def test_aligned_regions_round_once_from_fp32():
     residual = (torch.randn(x.shape, generator=g) * 5).to(BF16)
     w = torch.randn(16, generator=g).to(BF16)
     s = x.float() + residual.float()
-    want = (s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float())
+    want = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
     out, res_out = R.rms_norm(x, w, 1e-6, "aligned", residual)
     assert torch.equal(res_out, s.to(BF16))
     # FP32 reference (sqrt-divide instead of rsqrt-multiply may differ by one FP32 ulp; one
     # rounding to bf16 absorbs that except at ties) -- and exact with the same FP32 ops:
-    assert (out.float() - want.to(BF16).float()).abs().max() <= 2 ** -7 * want.abs().max()
+    assert (out.float() - want.to(BF16).float()).abs().max() <= 2**-7 * want.abs().max()
     assert torch.equal(out, (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).to(BF16))
     native, _ = R.rms_norm(x, w, 1e-6, "native", residual)
     assert not torch.equal(out, native)  # the modes really round differently
@@ -73,7 +78,7 @@ def test_aligned_regions_round_once_from_fp32():
     gate, up = x, residual
     want = (gate.float() * torch.sigmoid(gate.float()) * up.float()).to(BF16)
     got = R.swiglu(gate, up, "aligned")
-    assert (got.float() - want.float()).abs().le(want.float().abs() * 2 ** -7).all()
+    assert (got.float() - want.float()).abs().le(want.float().abs() * 2**-7).all()
     assert torch.equal(got, (F.silu(gate.float()) * up.float()).to(BF16))
     assert not torch.equal(got, R.swiglu(gate, up, "native"))
 
@@ -137,8 +142,17 @@ def test_unknown_mode_is_refused():
 
 def _decoder(seed=0, tie=True):
     torch.manual_seed(seed)
-    dec = Decoder(DecoderConfig(vocab_size=61, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                                intermediate_size=64, tie_word_embeddings=tie))
+    dec = Decoder(
+        DecoderConfig(
+            vocab_size=61,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=64,
+            tie_word_embeddings=tie,
+        )
+    )
     with torch.no_grad():  # non-trivial norm weights and biases
         for name, p in dec.named_parameters():
             if name.endswith("norm.weight") or name.endswith("bias"):
@@ -184,9 +198,17 @@ def test_bf16_native_decoder_equals_transformers_bit_for_bit(tmp_path, pad):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     dec = _decoder()
-    hf_cfg = Qwen2Config(vocab_size=61, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf_cfg = Qwen2Config(
+        vocab_size=61,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     hf = Qwen2ForCausalLM(hf_cfg)
     hf.load_state_dict(dec.state_dict())
     hf.save_pretrained(tmp_path)

@@ -15,6 +15,7 @@ vLLM's own code on this build (docs/vllm-cpu-numerics.md says where each piece c
   reference computes it (tests/attention_reference.py), which the kernel test also holds to the kernel.
 
 Shapes are Qwen2-0.5B's (hidden 896, 14 heads of 64, 2 kv heads, intermediate 4864)."""
+
 import types
 
 import attention_reference
@@ -127,7 +128,8 @@ def _kernel_rounds_to_nearest() -> bool:
     from vllm.platforms.interface import CpuArchEnum
 
     return current_platform.get_cpu_architecture() != CpuArchEnum.X86 or (
-        torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported())
+        torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported()
+    )
 
 
 def _toward_zero(x: torch.Tensor) -> torch.Tensor:
@@ -139,8 +141,9 @@ def _toward_zero(x: torch.Tensor) -> torch.Tensor:
 def test_vllm_rope_is_vllm_rotary_embedding_op_bit_for_bit(theta):
     op = _vllm_rotary_op()
     max_position = 8192
-    positions = torch.cat([torch.arange(20), torch.randint(
-        20, max_position, (T - 20,), generator=torch.Generator().manual_seed(7))])
+    positions = torch.cat(
+        [torch.arange(20), torch.randint(20, max_position, (T - 20,), generator=torch.Generator().manual_seed(7))]
+    )
     q = _rand(T, HEADS * HEAD_DIM, scale=3.0, seed=8)
     k = _rand(T, KV_HEADS * HEAD_DIM, scale=3.0, seed=9)
     want_q, want_k = q.clone(), k.clone()
@@ -180,16 +183,26 @@ def test_vllm_mrope_is_forward_native_bit_for_bit():
     x = _rand(T, HEADS, HEAD_DIM, scale=3.0, seed=10)
     cos, sin = rope_cos_sin(torch.arange(T)[None], HEAD_DIM, 1_000_000.0, [16, 8, 8])
     half = HEAD_DIM // 2
-    want = ApplyRotaryEmb.forward_static(x, cos[0, :, :half].to(BF16), sin[0, :, :half].to(BF16),
-                                         is_neox_style=True, enable_fp32_compute=False)
+    want = ApplyRotaryEmb.forward_static(
+        x, cos[0, :, :half].to(BF16), sin[0, :, :half].to(BF16), is_neox_style=True, enable_fp32_compute=False
+    )
     got = R.apply_rope(x.transpose(0, 1)[None], cos[:, None], sin[:, None], "vllm", mrope=True)
     assert torch.equal(got[0].transpose(0, 1), want)
 
 
 def test_fp32_mrope_decoder_identical_in_every_setting():
     torch.manual_seed(0)
-    dec = Decoder(DecoderConfig(vocab_size=61, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                                intermediate_size=64, mrope_section=[8, 4, 4]))
+    dec = Decoder(
+        DecoderConfig(
+            vocab_size=61,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            mrope_section=[8, 4, 4],
+        )
+    )
     ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(9).expand(2, -1)
     mask = torch.ones(2, 9, dtype=torch.bool)
@@ -210,10 +223,11 @@ def _requests(g, lens, heads, kv_heads, head_dim, decode=False):
     for n in lens:
         u = F.normalize(torch.randn(kv_heads, head_dim, generator=g), dim=-1)
         q = torch.randn(1 if decode else n, heads, head_dim, generator=g) * 2 + 8 * u.repeat_interleave(
-            heads // kv_heads, 0)
+            heads // kv_heads, 0
+        )
         k = torch.randn(n, kv_heads, head_dim, generator=g) * 2
         for j, pos in enumerate(range(128, n, 130)):
-            k[pos] = u * 4 * (j + 1) * head_dim ** 0.5  # score q.k / sqrt(D) ~ 32 (j + 1)
+            k[pos] = u * 4 * (j + 1) * head_dim**0.5  # score q.k / sqrt(D) ~ 32 (j + 1)
         qs.append(q.to(BF16))
         ks.append(k.to(BF16))
         vs.append(torch.randn(n, kv_heads, head_dim, generator=g).to(BF16))
@@ -262,8 +276,9 @@ def test_vllm_attention_is_the_documented_arithmetic():
     q, k, v = (_rand(2, 4, 40, 32, scale=2.0, seed=s) for s in (11, 12, 13))
     key_mask = torch.ones(2, 40, dtype=torch.bool)
     key_mask[1, :7] = False  # left padding, as rollout prompts are laid out
-    mask = (torch.ones(40, 40, dtype=torch.bool).tril()[None, None] & key_mask[:, None, None, :]) | \
-        torch.eye(40, dtype=torch.bool)[None, None]
+    mask = (torch.ones(40, 40, dtype=torch.bool).tril()[None, None] & key_mask[:, None, None, :]) | torch.eye(
+        40, dtype=torch.bool
+    )[None, None]
     (lq,), (lk,), (lv,) = _requests(torch.Generator().manual_seed(14), [300], 4, 2, 32)
     long, rising = _rows_rising_past_first_tile(lq, lk, 4, 2)
     assert rising >= 0.9 * long > 0, (rising, long)  # the inputs do what `_requests` says
@@ -308,18 +323,40 @@ def _kernel_attention(ops, qs, ks, vs, heads, kv_heads, head_dim, block_size=128
         start += b
     cache = torch.zeros(start, kv_heads, 2 * block_size, head_dim, dtype=BF16)
     key_cache, value_cache = cache.chunk(2, dim=2)
-    slots = torch.cat([table[i, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
-                       for i, n in enumerate(lens)])
-    ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, slots, "amx", 1.0, 1.0,
-                                   "auto")
+    slots = torch.cat(
+        [
+            table[i, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+            for i, n in enumerate(lens)
+        ]
+    )
+    ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, slots, "amx", 1.0, 1.0, "auto")
     starts = torch.tensor([0] + [q.shape[0] for q in qs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    metadata = ops.get_scheduler_metadata(len(lens), heads, kv_heads, head_dim, seq_lens, BF16, starts, True, -1,
-                                          "amx", False, None, "auto")
+    metadata = ops.get_scheduler_metadata(
+        len(lens), heads, kv_heads, head_dim, seq_lens, BF16, starts, True, -1, "amx", False, None, "auto"
+    )
     query = torch.cat(qs)
     out = torch.empty_like(query)
-    ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, out, starts, seq_lens, head_dim ** -0.5, True,
-                                    None, -1, table, 0.0, metadata, None, None, 1.0, 1.0, "auto")
+    ops.cpu_attention_with_kv_cache(
+        query,
+        key_cache,
+        value_cache,
+        out,
+        starts,
+        seq_lens,
+        head_dim**-0.5,
+        True,
+        None,
+        -1,
+        table,
+        0.0,
+        metadata,
+        None,
+        None,
+        1.0,
+        1.0,
+        "auto",
+    )
     return out.split([q.shape[0] for q in qs])
 
 
@@ -352,8 +389,13 @@ def test_vllm_attention_is_cpu_attention_kernel(heads, kv_heads, head_dim):
             n_long, n_rising = _rows_rising_past_first_tile(q, k, heads, kv_heads)
             long, rising = long + n_long, rising + n_rising
         assert rising >= 0.9 * long > 0, (decode, rising, long)  # the inputs do what `_requests` says
-        assert off <= 1e-3 * total and ref_off <= 1e-3 * total and off * 10 <= native_off, \
-            (decode, off, ref_off, native_off, total)
+        assert off <= 1e-3 * total and ref_off <= 1e-3 * total and off * 10 <= native_off, (
+            decode,
+            off,
+            ref_off,
+            native_off,
+            total,
+        )
         if not decode:
             assert native_off > 0
 

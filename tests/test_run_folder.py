@@ -1,6 +1,7 @@
 """The run folder is the run's: one run at a time (a lock held for its life), a folder that
 is not empty is refused unless resumed, and checkpoints are numbered by the RL step they
 hold, also after --resume-from with --max-steps."""
+
 import json
 import os
 import subprocess
@@ -12,12 +13,34 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(out: Path, shards: Path, *options: str, wait: bool = True):
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    args = [sys.executable, "-m", "loomrl.cli", "run", str(ROOT / "recipes" / "demo.yaml"), "--out", str(out),
-            f"data.shards={shards}/*.tar", "data.demo=null", "training.steps=8", "training.warmup.steps=0",
-            "training.mini_batches=1", "training.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=4", "training.threads=1",
-            "checkpoint.every=2", "checkpoint.keep_last=10", "logging.tensorboard=false", "goal=null", *options]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
+    args = [
+        sys.executable,
+        "-m",
+        "loomrl.cli",
+        "run",
+        str(ROOT / "recipes" / "demo.yaml"),
+        "--out",
+        str(out),
+        f"data.shards={shards}/*.tar",
+        "data.demo=null",
+        "training.steps=8",
+        "training.warmup.steps=0",
+        "training.mini_batches=1",
+        "training.prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        "training.threads=1",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=10",
+        "logging.tensorboard=false",
+        "goal=null",
+        *options,
+    ]
     if not wait:
         return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -27,8 +50,9 @@ def test_final_checkpoint_is_numbered_by_its_step_after_resume_from(tmp_path, de
     d, _ = demo_shards
     first = cli(tmp_path / "a", d, "--max-steps", "6")
     assert first.returncode == 0, first.stderr[-3000:]
-    new = cli(tmp_path / "b", d, "--resume-from", str(tmp_path / "a" / "checkpoints" / "step-000006"),
-              "--max-steps", "8")
+    new = cli(
+        tmp_path / "b", d, "--resume-from", str(tmp_path / "a" / "checkpoints" / "step-000006"), "--max-steps", "8"
+    )
     assert new.returncode == 0, new.stderr[-3000:]
     saved = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
     assert saved[-1] == "step-000008", saved  # steps 6-7 ran: the state is at step 8, not 2
@@ -86,16 +110,23 @@ def test_a_refused_resume_writes_nothing(tmp_path, demo_shards):
 
 def test_a_signal_during_the_warm_up_checkpoints_it_and_resume_continues_exactly(tmp_path, demo_shards):
     d, _ = demo_shards
-    opts = ("training.warmup.steps=30", "training.warmup.batch_size=4", "training.steps=2",
-            "algorithm.reward=rewards_for_tests:distinct_words",
-            "rollout.drafter.adaptive=false")  # adaptive draft lengths follow timings, and so do the drafting metrics
+    opts = (
+        "training.warmup.steps=30",
+        "training.warmup.batch_size=4",
+        "training.steps=2",
+        "algorithm.reward=rewards_for_tests:distinct_words",
+        "rollout.drafter.adaptive=false",
+    )  # adaptive draft lengths follow timings, and so do the drafting metrics
     full = cli(tmp_path / "full", d, *opts)
     assert full.returncode == 0, full.stderr[-3000:]
     out = tmp_path / "cut"
     run = cli(out, d, *opts, wait=False)
     deadline = time.time() + 120
-    while time.time() < deadline and run.poll() is None and (
-            not (out / "warmup.jsonl").exists() or len((out / "warmup.jsonl").read_text().splitlines()) < 3):
+    while (
+        time.time() < deadline
+        and run.poll() is None
+        and (not (out / "warmup.jsonl").exists() or len((out / "warmup.jsonl").read_text().splitlines()) < 3)
+    ):
         time.sleep(0.05)
     run.send_signal(15)  # SIGTERM, as a scheduler sends it
     _, err = run.communicate(timeout=120)
@@ -107,7 +138,11 @@ def test_a_signal_during_the_warm_up_checkpoints_it_and_resume_continues_exactly
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed the warm-up" in resumed.stdout
     for name in ("warmup.jsonl", "metrics.jsonl"):
+
         def rows(p):
-            return [{k: v for k, v in json.loads(line).items() if not k.endswith(("_s", "per_s", "_us", "speedup"))}
-                    for line in p.read_text().splitlines()]
+            return [
+                {k: v for k, v in json.loads(line).items() if not k.endswith(("_s", "per_s", "_us", "speedup"))}
+                for line in p.read_text().splitlines()
+            ]
+
         assert rows(out / name) == rows(tmp_path / "full" / name), name

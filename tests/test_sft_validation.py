@@ -1,6 +1,7 @@
 """SFT as an algorithm (`algorithm.name: sft`) and the validation split (`validation.*`), on the
 demo shards through the CLI: losses, `val_*` rows, the goal on the validation reward, resume, and
 the recipe errors."""
+
 import json
 from pathlib import Path
 
@@ -24,11 +25,30 @@ def _rows(out):
 
 
 def _sft(tmp_path, shards, out, *extra):
-    return main(["run", DEMO, "--out", str(tmp_path / out), f"data.shards={shards}/demo-000000.tar", "algorithm.name=sft",
-                 "training.warmup.steps=0", "training.steps=8", "training.mini_batches=1", "training.prompts_per_step=16", "training.lr=0.003",
-                 f"validation.shards={shards}/demo-000001.tar", "validation.samples=12",
-                 "validation.every=4", "goal.metric=val_reward_mean", "goal.min_final=0", "goal.min_gain=-1",
-                 "checkpoint.every=4", "logging.tensorboard=false", *extra])
+    return main(
+        [
+            "run",
+            DEMO,
+            "--out",
+            str(tmp_path / out),
+            f"data.shards={shards}/demo-000000.tar",
+            "algorithm.name=sft",
+            "training.warmup.steps=0",
+            "training.steps=8",
+            "training.mini_batches=1",
+            "training.prompts_per_step=16",
+            "training.lr=0.003",
+            f"validation.shards={shards}/demo-000001.tar",
+            "validation.samples=12",
+            "validation.every=4",
+            "goal.metric=val_reward_mean",
+            "goal.min_final=0",
+            "goal.min_gain=-1",
+            "checkpoint.every=4",
+            "logging.tensorboard=false",
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,24 +90,45 @@ def test_sft_resumes_exactly(tmp_path, shards, sft_run):
 
 
 def test_validation_in_an_rl_run(tmp_path, shards):
-    assert main(["run", DEMO, "--out", str(tmp_path / "rl"), f"data.shards={shards}/demo-000000.tar",
-                 "training.warmup.steps=0", "training.steps=3",
-                 "training.mini_batches=1", "training.prompts_per_step=4", "rollout.n=4", f"validation.shards={shards}/demo-000001.tar",
-                 "validation.samples=6", "validation.every=2", "validation.temperature=1.0", "goal=null",
-                 "logging.tensorboard=false"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                DEMO,
+                "--out",
+                str(tmp_path / "rl"),
+                f"data.shards={shards}/demo-000000.tar",
+                "training.warmup.steps=0",
+                "training.steps=3",
+                "training.mini_batches=1",
+                "training.prompts_per_step=4",
+                "rollout.n=4",
+                f"validation.shards={shards}/demo-000001.tar",
+                "validation.samples=6",
+                "validation.every=2",
+                "validation.temperature=1.0",
+                "goal=null",
+                "logging.tensorboard=false",
+            ]
+        )
+        == 0
+    )
     rows = _rows(tmp_path / "rl")
     assert [r["step"] for r in rows if "val_reward_mean" in r] == [0, 2]
     assert all("reward_mean" in r for r in rows)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["algorithm.name=sft", "pipeline.mode=disaggregated"], "pipeline.mode"),
-    (["algorithm.name=sft", "training.warmup.steps=5"], "training.warmup.steps"),
-    (["algorithm.name=sft", "training.warmup.steps=0"], "goal.metric"),  # the demo's goal reads the training reward
-    (["goal.metric=val_reward_mean"], "goal.metric"),                    # ... and needs a validation split
-    (["validation.shards=data/{0..3.tar"], "validation.shards"),
-    (["data.system_prompt=hi", "data.chat_template=none", "validation.every=0"], "validation.every"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["algorithm.name=sft", "pipeline.mode=disaggregated"], "pipeline.mode"),
+        (["algorithm.name=sft", "training.warmup.steps=5"], "training.warmup.steps"),
+        (["algorithm.name=sft", "training.warmup.steps=0"], "goal.metric"),  # the demo's goal reads the training reward
+        (["goal.metric=val_reward_mean"], "goal.metric"),  # ... and needs a validation split
+        (["validation.shards=data/{0..3.tar"], "validation.shards"),
+        (["data.system_prompt=hi", "data.chat_template=none", "validation.every=0"], "validation.every"),
+    ],
+)
 def test_recipe_errors_name_the_key(overrides, key):
     with pytest.raises(RecipeError, match=key.replace(".", r"\.")):
         load_recipe(DEMO, overrides, files=False)

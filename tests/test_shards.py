@@ -36,8 +36,13 @@ def test_tampered_member_is_named(demo_shards, tmp_path):
 
 
 def test_slot_match_scores():
-    s = {"meta": {"template": "a {size} {color} shape is shown while a {pitch} tone plays .",
-                  "slots": {"size": "small", "color": "red", "pitch": "low"}}, "answer": ""}
+    s = {
+        "meta": {
+            "template": "a {size} {color} shape is shown while a {pitch} tone plays .",
+            "slots": {"size": "small", "color": "red", "pitch": "low"},
+        },
+        "answer": "",
+    }
     assert slot_match("a small red shape is shown while a low tone plays .", s) == 1.0
     assert slot_match("a large red shape is shown while a high tone plays .", s) == pytest.approx(1 / 3)
     assert slot_match("a small red shape is shown while a low tone .", s) == 0.0

@@ -2,6 +2,7 @@
 refused from its header by every reader, a bad sample mid-training is skipped,
 counted, named and moved past, a full disk during `shards make` leaves nothing
 behind, and no --out pattern overwrites an existing shard or rejected.jsonl."""
+
 import errno
 import io
 import json
@@ -30,7 +31,7 @@ def silent_flac(seconds: float, rate: int = 8000, unknown_length: bool = False) 
     data = bytearray(buf.getvalue())
     if unknown_length:  # STREAMINFO follows "fLaC" and a 4-byte block header; total samples: 36 bits at 13.5
         data[8 + 13] &= 0xF0
-        data[8 + 14: 8 + 18] = b"\0\0\0\0"
+        data[8 + 14 : 8 + 18] = b"\0\0\0\0"
     return bytes(data)
 
 
@@ -50,8 +51,7 @@ def source_over(files, model, tokenizer, **kw):
 # --------------------------------------------------------------------------- item 4: audio bombs at read time
 
 
-def test_a_long_clip_is_refused_from_its_header_by_verify_and_training(tmp_path, model, tokenizer, capsys,
-                                                                       loomrl_log):
+def test_a_long_clip_is_refused_from_its_header_by_verify_and_training(tmp_path, model, tokenizer, capsys, loomrl_log):
     """10 minutes of silence is 14 KB of FLAC: `shards make` refuses it, and so must the
     readers of shards someone else made (verify, training), before decoding it."""
     samples = demo(3)
@@ -79,8 +79,7 @@ def corrupt(shard: str, member: str) -> None:
         f.write(b"\xa5" * 8)
 
 
-def test_a_corrupt_sample_mid_training_is_skipped_counted_named_and_moved_past(tmp_path, model, tokenizer,
-                                                                                loomrl_log):
+def test_a_corrupt_sample_mid_training_is_skipped_counted_named_and_moved_past(tmp_path, model, tokenizer, loomrl_log):
     files = write_shards(demo(9), str(tmp_path / "s-%06d.tar"), maxcount=4)
     corrupt(files[1], "demo-000005.aud0.wav")
     good = [f"demo-{i:06d}" for i in range(9) if i != 5]
@@ -178,8 +177,12 @@ def test_disk_full_during_make_is_a_clean_error_and_leaves_nothing(tmp_path, mon
     import loomrl.datasets.prepare as prepare
 
     written[0] = 25_000
-    monkeypatch.setattr(prepare, "open", lambda name, mode, buffering=-1: io.TextIOWrapper(
-        io.BufferedWriter(FullDisk(name, mode)), line_buffering=True), raising=False)
+    monkeypatch.setattr(
+        prepare,
+        "open",
+        lambda name, mode, buffering=-1: io.TextIOWrapper(io.BufferedWriter(FullDisk(name, mode)), line_buffering=True),
+        raising=False,
+    )
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"{out}/rejected.jsonl: No space left on device" in err and "Traceback" not in err
@@ -193,13 +196,16 @@ def test_disk_full_during_make_is_a_clean_error_and_leaves_nothing(tmp_path, mon
 # --------------------------------------------------------------------------- item 8: nothing is overwritten
 
 
-@pytest.mark.parametrize("pattern, existing", [
-    ("s-%s.tar", "s-0.tar"),      # a string field
-    ("s-%5d.tar", "s-    0.tar"),  # a padded field
-    ("s-%+d.tar", "s-+0.tar"),    # a signed field
-    ("s-%e.tar", "s-0.000000e+00.tar"),
-    ("s-%%-%d.tar", "s-%-0.tar"),  # a literal percent
-])
+@pytest.mark.parametrize(
+    "pattern, existing",
+    [
+        ("s-%s.tar", "s-0.tar"),  # a string field
+        ("s-%5d.tar", "s-    0.tar"),  # a padded field
+        ("s-%+d.tar", "s-+0.tar"),  # a signed field
+        ("s-%e.tar", "s-0.000000e+00.tar"),
+        ("s-%%-%d.tar", "s-%-0.tar"),  # a literal percent
+    ],
+)
 def test_no_out_pattern_overwrites_an_existing_shard(tmp_path, capsys, pattern, existing):
     manifest = text_manifest(tmp_path / "m.jsonl", 2, bad=0)
     out = tmp_path / "out"
@@ -231,12 +237,24 @@ def test_rejected_jsonl_of_an_earlier_make_is_not_overwritten(tmp_path, capsys):
 # --------------------------------------------------------------------------- item 11: `shards make` option values
 
 
-@pytest.mark.parametrize("option, value", [
-    ("--maxcount", "0"), ("--maxcount", "-3"), ("--sample-rate", "0"), ("--sample-rate", "-16000"),
-    ("--max-pixels", "0"), ("--max-audio-seconds", "0"), ("--max-audio-seconds", "nan"),
-    ("--max-audio-seconds", "inf"), ("--maxsize", "0"), ("--maxsize", "1e999"), ("--max-file-bytes", "0"),
-    ("--workers", "0"), ("--workers", "100000"),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--maxcount", "0"),
+        ("--maxcount", "-3"),
+        ("--sample-rate", "0"),
+        ("--sample-rate", "-16000"),
+        ("--max-pixels", "0"),
+        ("--max-audio-seconds", "0"),
+        ("--max-audio-seconds", "nan"),
+        ("--max-audio-seconds", "inf"),
+        ("--maxsize", "0"),
+        ("--maxsize", "1e999"),
+        ("--max-file-bytes", "0"),
+        ("--workers", "0"),
+        ("--workers", "100000"),
+    ],
+)
 def test_make_refuses_option_values_it_cannot_work_with(tmp_path, capsys, option, value):
     """Before: --maxcount 0 was a ValueError traceback, --sample-rate 0 a ZeroDivisionError one,
     --maxsize 1e999 an OverflowError one; the others ran with the value meaning something else."""
@@ -251,8 +269,12 @@ def test_make_refuses_option_values_it_cannot_work_with(tmp_path, capsys, option
 
 
 def test_verify_refuses_option_values_it_cannot_work_with(tmp_path, capsys):
-    for option, value in (("--sample-rate", "0"), ("--max-pixels", "-1"), ("--max-member-bytes", "0"),
-                          ("--max-audio-seconds", "nan")):
+    for option, value in (
+        ("--sample-rate", "0"),
+        ("--max-pixels", "-1"),
+        ("--max-member-bytes", "0"),
+        ("--max-audio-seconds", "nan"),
+    ):
         with pytest.raises(SystemExit) as exit_:
             main(["verify", str(tmp_path / "x.tar"), option, value])
         assert exit_.value.code == 2 and f"argument {option}:" in capsys.readouterr().err
@@ -271,21 +293,31 @@ def test_make_into_a_read_only_or_unlistable_folder_is_a_clean_error(tmp_path):
     (tmp_path / "nolist").mkdir(mode=0o311)
     os.chmod(tmp_path / "ro", 0o555)
     os.chmod(tmp_path / "nolist", 0o311)
-    cases = {"ro": f"{tmp_path}/ro/s-%d.tar", "ro-sub": f"{tmp_path}/ro/sub/s-%d.tar",
-             "nolist": f"{tmp_path}/nolist/s-%d.tar"}
-    script = ("import json, os, sys\n"
-              "from loomrl.datasets.cli import main\n"
-              "if os.access(sys.argv[2], os.W_OK): print('PERMISSIONS-NOT-APPLIED'); sys.exit()\n"
-              "cases = json.loads(sys.argv[3])\n"
-              "print(json.dumps({k: main(['make', sys.argv[1], '--out', v]) for k, v in cases.items()}))\n")
+    cases = {
+        "ro": f"{tmp_path}/ro/s-%d.tar",
+        "ro-sub": f"{tmp_path}/ro/sub/s-%d.tar",
+        "nolist": f"{tmp_path}/nolist/s-%d.tar",
+    }
+    script = (
+        "import json, os, sys\n"
+        "from loomrl.datasets.cli import main\n"
+        "if os.access(sys.argv[2], os.W_OK): print('PERMISSIONS-NOT-APPLIED'); sys.exit()\n"
+        "cases = json.loads(sys.argv[3])\n"
+        "print(json.dumps({k: main(['make', sys.argv[1], '--out', v]) for k, v in cases.items()}))\n"
+    )
     cmd = [sys.executable, "-c", script, manifest, str(tmp_path / "ro"), json.dumps(cases)]
     if os.geteuid() == 0:
         if not shutil.which("setpriv"):
             pytest.skip("running as root without setpriv: permissions cannot be applied")
         cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", *cmd]
     try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        run = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
     finally:
         os.chmod(tmp_path / "ro", 0o755)
         os.chmod(tmp_path / "nolist", 0o755)
@@ -326,8 +358,10 @@ def test_a_damaged_tar_is_never_ok(tmp_path, capsys):
         "cut-at-sample": (raw[: sample_starts[2]], "ends at byte"),
         "no-end-blocks": (raw[:last_data_end], "without the two zero blocks"),
         "one-end-block": (raw[: last_data_end + 512], "without the two zero blocks"),
-        "header-overwritten": (raw[: sample_starts[1]] + b"\xff" * 512 + raw[sample_starts[1] + 512:],
-                               f"damaged tar header at byte {sample_starts[1]}"),
+        "header-overwritten": (
+            raw[: sample_starts[1]] + b"\xff" * 512 + raw[sample_starts[1] + 512 :],
+            f"damaged tar header at byte {sample_starts[1]}",
+        ),
         "zeros": (bytes(10240), "has no samples"),
     }
     with tarfile.open(tmp_path / "empty.tar", "w"):
@@ -436,8 +470,9 @@ def fifos(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
-def test_fifos_are_refused_by_verify_inspect_and_training_without_blocking(tmp_path, fifos, capsys, model,
-                                                                           tokenizer, loomrl_log):
+def test_fifos_are_refused_by_verify_inspect_and_training_without_blocking(
+    tmp_path, fifos, capsys, model, tokenizer, loomrl_log
+):
     """Before: each of these blocked in open() until a writer came (forever; a SIGTERM handler
     that only sets a flag did not end it): here the fixture's writer released them after 3 s."""
     from loomrl.datasets.shards import ShardError, read_shards

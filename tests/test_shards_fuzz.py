@@ -15,6 +15,7 @@ come from an exception that decoders raise on bad data (`encoders.media.DATA_ERR
 tests set LOOMRL_STRICT_DATA_ERRORS=1 (conftest.py), so an IndexError or AttributeError in
 loomrl's reading code fails the test instead of passing for a named skip.
 """
+
 import os
 import random
 import resource
@@ -67,7 +68,7 @@ def mutate(raw: bytes, headers: list[int], rng: random.Random, header_span: int 
             done.append(f"truncate at {pos}")
         elif kind == "zero":
             n = rng.choice([1, 8, 512, 1024, rng.randrange(1, 4096)])
-            data[pos:pos + n] = bytes(len(data[pos:pos + n]))
+            data[pos : pos + n] = bytes(len(data[pos : pos + n]))
             done.append(f"zero {n} at {pos}")
         else:
             n = rng.choice([1, 7, 512, rng.randrange(1, 2048)])
@@ -98,12 +99,14 @@ def mutated_tar(tmp_path, shard):
         with open(path, "wb") as f:
             f.write(data)
         return path, f"seed {seed} ({what})"
+
     return case
 
 
 def damaged_media(tmp_path):
     """Each seed's case: a well-formed shard of the 4 demo samples, one to three of whose media
     were mutated before writing (the first 64 bytes, where the format's header is, 70% of the time)."""
+
     def case(seed: int) -> tuple[str, str]:
         rng = random.Random(seed)
         samples = [make_sample(i, random.Random(1000 + i)) for i in range(4)]
@@ -117,6 +120,7 @@ def damaged_media(tmp_path):
             done.append(f"{sample['id']} {member}: {what}")
         (path,) = write_shards(samples, str(tmp_path / f"d-{seed:04d}-%d.tar"), maxcount=10)
         return path, f"seed {seed} ({'; '.join(done)})"
+
     return case
 
 
@@ -156,8 +160,9 @@ def test_mutated_shards_get_only_clean_refusals(tmp_path, shard, model, tokenize
 
                 # training: samples and named skips, or a RecipeError naming data.shards
                 loomrl_log.clear()
-                source = PromptSource(ShardStream([path], shuffle_buffer=0, max_member_bytes=MAX_MEMBER_BYTES),
-                                      model, tokenizer, cfg)
+                source = PromptSource(
+                    ShardStream([path], shuffle_buffer=0, max_member_bytes=MAX_MEMBER_BYTES), model, tokenizer, cfg
+                )
                 try:
                     got = source.next(3)
                 except RecipeError as e:

@@ -5,6 +5,7 @@ Real media: scikit-image's bundled photos (the `dev` extra) and Debian
 alsa-utils' spoken clips (/usr/share/sounds/alsa). Without them these tests
 skip, saying why; with LOOMRL_REQUIRE_REAL_MEDIA=1 (CI) they fail instead.
 """
+
 import hashlib
 import io
 import json
@@ -39,6 +40,7 @@ def skimage_data() -> Path | None:
 
 def png(width: int, height: int, pixels: bytes = b"\0" * 1000) -> bytes:
     """A PNG whose header claims width x height but whose data is tiny: a decompression bomb."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
@@ -57,15 +59,17 @@ def missing_real_media() -> list[str]:
 
 MISSING = missing_real_media()
 # Skipped only outside CI; with LOOMRL_REQUIRE_REAL_MEDIA=1 the `real` fixture fails instead.
-needs_real_media = pytest.mark.skipif(bool(MISSING) and not REQUIRE,
-                                      reason="real test media missing: " + "; ".join(MISSING))
+needs_real_media = pytest.mark.skipif(
+    bool(MISSING) and not REQUIRE, reason="real test media missing: " + "; ".join(MISSING)
+)
 
 
 @pytest.fixture(scope="module")
 def real():
     if MISSING:
-        pytest.fail("real test media missing: " + "; ".join(MISSING)
-                    + " and LOOMRL_REQUIRE_REAL_MEDIA=1 says they must be here")
+        pytest.fail(
+            "real test media missing: " + "; ".join(MISSING) + " and LOOMRL_REQUIRE_REAL_MEDIA=1 says they must be here"
+        )
     return skimage_data()
 
 
@@ -96,25 +100,45 @@ def job(real, tmp_path_factory):
     (m / "text.jpg").write_text("this is not a JPEG, just text with a .jpg name\n")
     (m / "zero.wav").write_bytes(b"")
     sf.write(m / "no_frames.wav", np.zeros(0, dtype=np.float32), 16000)
-    (m / "bomb.png").write_bytes(png(100_000, 100_000))       # Pillow's own bomb guard
-    (m / "huge.png").write_bytes(png(8000, 8000))             # 64 Mpx: over our 50 Mpx limit
+    (m / "bomb.png").write_bytes(png(100_000, 100_000))  # Pillow's own bomb guard
+    (m / "huge.png").write_bytes(png(8000, 8000))  # 64 Mpx: over our 50 Mpx limit
     (m / "folder.png").mkdir()
     speech, sr = sf.read(ALSA / "Front_Center.wav", dtype="float32")
     sf.write(m / "long.wav", np.tile(speech, 4), sr, subtype="PCM_16")  # ~5.7 s
     (m / "noise.wav").write_text("RIFF? no.")
 
     good = [
-        {"id": "astronaut", "prompt": "<image> who is this ?", "answer": "an astronaut",
-         "images": ["media/astronaut.png"], "license": "public domain", "split": "train"},
+        {
+            "id": "astronaut",
+            "prompt": "<image> who is this ?",
+            "answer": "an astronaut",
+            "images": ["media/astronaut.png"],
+            "license": "public domain",
+            "split": "train",
+        },
         {"id": "camera", "prompt": "<image> describe the photo .", "images": ["media/camera.png"]},
-        {"id": "rocket", "prompt": "<image> what is launching ?", "answer": "a rocket",
-         "images": ["media/rocket.jpg"], "meta": {"source": "nasa"}},
+        {
+            "id": "rocket",
+            "prompt": "<image> what is launching ?",
+            "answer": "a rocket",
+            "images": ["media/rocket.jpg"],
+            "meta": {"source": "nasa"},
+        },
         {"id": "logo", "prompt": "<image> read the logo .", "images": ["media/logo.png"]},
         {"id": "cat.bmp/1", "prompt": "<image> what animal ?", "answer": "a cat", "images": ["media/chelsea.bmp"]},
-        {"id": "speech", "prompt": "<audio> what is said ?", "answer": "front center",
-         "audio": ["media/front_center.wav"]},
-        {"id": "both", "prompt": "<audio> then <image> : match ?", "answer": "no",
-         "images": ["media/astronaut.png"], "audio": ["media/front_left.wav"]},
+        {
+            "id": "speech",
+            "prompt": "<audio> what is said ?",
+            "answer": "front center",
+            "audio": ["media/front_center.wav"],
+        },
+        {
+            "id": "both",
+            "prompt": "<audio> then <image> : match ?",
+            "answer": "no",
+            "images": ["media/astronaut.png"],
+            "audio": ["media/front_left.wav"],
+        },
         {"id": "stereo", "prompt": "<audio> which side ?", "audio": ["media/stereo44k.wav"]},
         {"id": 42, "prompt": "a text-only prompt", "answer": "fine"},
         {"id": "no-marker", "prompt": "describe", "images": ["media/camera.png"]},  # gets "<image>describe"
@@ -130,10 +154,19 @@ def job(real, tmp_path_factory):
         ({"id": "bomb", "prompt": "<image> x", "images": ["media/bomb.png"]}, "image-too-large"),
         ({"id": "huge", "prompt": "<image> x", "images": ["media/huge.png"]}, "image-too-large"),
         ({"id": "long", "prompt": "<audio> x", "audio": ["media/long.wav"]}, "audio-too-long"),
-        ({"id": "half-good", "prompt": "<image> <audio> x", "images": ["media/camera.png"],
-          "audio": ["media/nope.wav"]}, "missing-file"),
-        ({"id": "one-marker-short", "prompt": "<image> x", "images": ["media/camera.png", "media/logo.png"]},
-         "marker-mismatch"),
+        (
+            {
+                "id": "half-good",
+                "prompt": "<image> <audio> x",
+                "images": ["media/camera.png"],
+                "audio": ["media/nope.wav"],
+            },
+            "missing-file",
+        ),
+        (
+            {"id": "one-marker-short", "prompt": "<image> x", "images": ["media/camera.png", "media/logo.png"]},
+            "marker-mismatch",
+        ),
         ({"id": "bad-types", "prompt": "<image> x", "images": {"path": "media/camera.png"}}, "bad-line"),
         ({"id": "speech", "prompt": "<audio> again", "audio": ["media/front_center.wav"]}, "duplicate-id"),
         ({"id": "no-prompt", "answer": "an answer to nothing"}, "bad-line"),
@@ -143,9 +176,23 @@ def job(real, tmp_path_factory):
     lines += [json.dumps(s) for s, _ in bad[8:]]
     (root / "train.jsonl").write_text("\n".join(lines) + "\n")
     out = root / "shards"
-    return {"root": root, "good": good, "bad": bad, "out": out, "media": m,
-            "argv": ["make", str(root / "train.jsonl"), "--out", f"{out}/train-%06d.tar", "--maxcount", "4",
-                     "--max-audio-seconds", str(MAX_AUDIO_SECONDS)]}
+    return {
+        "root": root,
+        "good": good,
+        "bad": bad,
+        "out": out,
+        "media": m,
+        "argv": [
+            "make",
+            str(root / "train.jsonl"),
+            "--out",
+            f"{out}/train-%06d.tar",
+            "--maxcount",
+            "4",
+            "--max-audio-seconds",
+            str(MAX_AUDIO_SECONDS),
+        ],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +222,17 @@ def test_every_rejection_is_reported_with_its_reason(made):
     assert sorted(((r["id"], r["code"]) for r in rows), key=str) == sorted(expected, key=str)
     for r in rows:
         assert r["reason"] and r["line"].startswith(str(made["root"] / "train.jsonl") + ":")
-        if r["code"] in ("missing-file", "bad-image", "not-an-image", "bad-audio", "empty-audio", "empty-file",
-                         "image-too-large", "audio-too-long", "unreadable-file"):
+        if r["code"] in (
+            "missing-file",
+            "bad-image",
+            "not-an-image",
+            "bad-audio",
+            "empty-audio",
+            "empty-file",
+            "image-too-large",
+            "audio-too-long",
+            "unreadable-file",
+        ):
             assert r["file"] and Path(r["file"]).name in json.dumps([s for s, _ in made["bad"]])
         if r["id"] is not None:  # and on stderr, naming the sample
             assert f"rejected id={r['id']} " in made["stderr"]
@@ -208,14 +264,18 @@ def test_round_trip_bytes_and_hashes(made):
 
     samples = {s["id"]: s for s in read_shards(made["files"])}
     m = made["media"]
-    for sid, name in (("astronaut", "astronaut.png"), ("camera", "camera.png"), ("rocket", "rocket.jpg"),
-                      ("logo", "logo.png")):
-        (kind, sha, data), = samples[sid]["media"]
+    for sid, name in (
+        ("astronaut", "astronaut.png"),
+        ("camera", "camera.png"),
+        ("rocket", "rocket.jpg"),
+        ("logo", "logo.png"),
+    ):
+        ((kind, sha, data),) = samples[sid]["media"]
         original = (m / name).read_bytes()
         assert kind == "image" and data == original  # PNG/JPEG kept as they are
         assert sha == hashlib.sha256(original).hexdigest()
     # BMP is stored as a lossless PNG of the same pixels
-    (_, sha, data), = samples["cat.bmp/1"]["media"]
+    ((_, sha, data),) = samples["cat.bmp/1"]["media"]
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and sha == hashlib.sha256(data).hexdigest()
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), np.asarray(Image.open(m / "chelsea.bmp")))
     # the two samples that show the astronaut share one hash
@@ -235,9 +295,11 @@ def test_audio_is_mono_16k_pcm16_matching_an_independent_resampler(made):
     from scipy.signal import resample_poly
 
     samples = {s["id"]: s for s in read_shards(made["files"])}
-    for sid, source, (up, down) in (("speech", made["media"] / "front_center.wav", (1, 3)),
-                                    ("stereo", made["media"] / "stereo44k.wav", (160, 441))):
-        (kind, sha, data), = [x for x in samples[sid]["media"] if x[0] == "audio"]
+    for sid, source, (up, down) in (
+        ("speech", made["media"] / "front_center.wav", (1, 3)),
+        ("stereo", made["media"] / "stereo44k.wav", (160, 441)),
+    ):
+        ((kind, sha, data),) = [x for x in samples[sid]["media"] if x[0] == "audio"]
         assert sha == hashlib.sha256(data).hexdigest()
         info = sf.info(io.BytesIO(data))
         assert (info.samplerate, info.channels, info.subtype, info.format) == (16000, 1, "PCM_16", "WAV")
@@ -301,7 +363,8 @@ def test_make_reads_a_folder_of_manifests(made, capsys):
     assert main(["make", str(folder), "--out", str(made["root"] / "q" / "q-%06d.tar")]) == 1
     rows = [json.loads(x) for x in (made["root"] / "q" / "rejected.jsonl").read_text().splitlines()]
     assert [(r["id"], r["code"]) for r in rows] == [(g["id"], "path-outside-source") for g in made["good"][:2]] + [
-        ("rocket", "path-outside-source")]
+        ("rocket", "path-outside-source")
+    ]
     capsys.readouterr()
     assert main(["make", str(folder), "--out", str(made["root"] / "p" / "p-%06d.tar"), "--allow-outside"]) == 0
     files = sorted(str(p) for p in (made["root"] / "p").glob("p-*.tar"))

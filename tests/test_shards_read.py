@@ -1,4 +1,5 @@
 """The shard writer's guarantees and the reader's guards against hostile or damaged tars."""
+
 import gzip
 import io
 import json
@@ -53,8 +54,9 @@ def test_writer_refuses_bad_input_and_leaves_no_shard(demo_samples, tmp_path):
     with pytest.raises(ValueError, match="duplicate sample key"):
         write_shards(demo_samples + demo_samples[:1], str(tmp_path / "d-%d.tar"), maxcount=2)
     with pytest.raises(ValueError, match="bad member name"):
-        write_shards([{"id": "a", "prompt": "p", "media": [("image", "../x.png", b"1")]}],
-                     str(tmp_path / "m-%d.tar"), maxcount=2)
+        write_shards(
+            [{"id": "a", "prompt": "p", "media": [("image", "../x.png", b"1")]}], str(tmp_path / "m-%d.tar"), maxcount=2
+        )
     assert os.listdir(tmp_path) == []  # nothing left behind, not even .tmp files
 
 
@@ -67,12 +69,15 @@ def test_unsafe_ids_get_safe_keys_that_stock_webdataset_reads(tmp_path):
     assert shard_key("ok-id_1") == "ok-id_1" and shard_key("a.b/c") != shard_key("a_b_c")
 
 
-@pytest.mark.parametrize("name, data, message", [
-    ("../evil.json", header("evil"), r"member '\.\./evil\.json' has a '\.\.' path component"),
-    ("x/../../evil.json", header("evil"), r"member 'x/\.\./\.\./evil\.json' has a '\.\.' path component"),
-    ("/etc/evil.json", header("evil"), r"member '/etc/evil\.json' has an absolute path"),
-    ("noext", b"1", r"member noext has no extension"),
-])
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        ("../evil.json", header("evil"), r"member '\.\./evil\.json' has a '\.\.' path component"),
+        ("x/../../evil.json", header("evil"), r"member 'x/\.\./\.\./evil\.json' has a '\.\.' path component"),
+        ("/etc/evil.json", header("evil"), r"member '/etc/evil\.json' has an absolute path"),
+        ("noext", b"1", r"member noext has no extension"),
+    ],
+)
 def test_hostile_names_are_refused_naming_shard_and_member(tmp_path, name, data, message, capsys):
     f = tar_with(tmp_path / "hostile.tar", [("good.json", header("good")), (name, data)])
     with pytest.raises(ShardError, match=r"hostile\.tar: " + message):
@@ -81,9 +86,15 @@ def test_hostile_names_are_refused_naming_shard_and_member(tmp_path, name, data,
     assert "hostile.tar" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind, message", [(tarfile.SYMTYPE, "is a link"), (tarfile.LNKTYPE, "is a link"),
-                                           (tarfile.CHRTYPE, "is not a regular file"),
-                                           (tarfile.FIFOTYPE, "is not a regular file")])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        (tarfile.SYMTYPE, "is a link"),
+        (tarfile.LNKTYPE, "is a link"),
+        (tarfile.CHRTYPE, "is not a regular file"),
+        (tarfile.FIFOTYPE, "is not a regular file"),
+    ],
+)
 def test_links_and_devices_are_refused(tmp_path, kind, message):
     ti = tarfile.TarInfo("s.img0.png")
     ti.type, ti.linkname = kind, "/etc/passwd"
@@ -142,8 +153,10 @@ def test_damaged_shards_name_the_fault(tmp_path, demo_samples, capsys):
 
 
 def test_verify_reports_every_fault_and_goes_on(tmp_path, demo_samples, capsys):
-    bad_media = [{"id": "not-image", "prompt": "<image> x", "media": [("image", "img0.png", b"not a png")]},
-                 {"id": "not-audio", "prompt": "<audio> x", "media": [("audio", "aud0.wav", b"RIFF....")]}]
+    bad_media = [
+        {"id": "not-image", "prompt": "<image> x", "media": [("image", "img0.png", b"not a png")]},
+        {"id": "not-audio", "prompt": "<audio> x", "media": [("audio", "aud0.wav", b"RIFF....")]},
+    ]
     files = write_shards(demo_samples[:2] + bad_media, str(tmp_path / "v-%d.tar"), 10)
     files += write_shards(demo_samples[:1], str(tmp_path / "w-%d.tar"), 10)  # a duplicate id in another shard
     # a member listed in the header but missing, and one whose bytes were altered

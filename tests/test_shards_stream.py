@@ -1,4 +1,5 @@
 """The streaming reader: shuffle buffer, rank/worker split, resumable position."""
+
 import hashlib
 import itertools
 import json
@@ -93,9 +94,12 @@ def test_dataloader_workers_keep_the_order_and_resume(shards):
 def test_a_position_only_fits_the_same_shards_and_settings(shards):
     pattern, files, _ = shards
     state = ShardStream(pattern, shuffle_buffer=10, seed=1).state()
-    for other in (ShardStream(pattern, shuffle_buffer=20, seed=1), ShardStream(pattern, shuffle_buffer=10, seed=2),
-                  ShardStream(files[:-1], shuffle_buffer=10, seed=1),
-                  ShardStream(pattern, shuffle_buffer=10, seed=1, rank=1, world_size=2)):
+    for other in (
+        ShardStream(pattern, shuffle_buffer=20, seed=1),
+        ShardStream(pattern, shuffle_buffer=10, seed=2),
+        ShardStream(files[:-1], shuffle_buffer=10, seed=1),
+        ShardStream(pattern, shuffle_buffer=10, seed=1, rank=1, world_size=2),
+    ):
         with pytest.raises(ValueError, match="does not fit"):
             other.load_state(state)
     with pytest.raises(FileNotFoundError, match="no shards match"):
@@ -105,12 +109,13 @@ def test_a_position_only_fits_the_same_shards_and_settings(shards):
 def test_prompt_source_skips_and_counts_bad_samples_and_resumes(tmp_path, tokenizer, model, loomrl_log):
     """The runner's source: a sample whose media do not decode is skipped and counted;
     a source resumed from its state serves exactly the samples an uninterrupted one would."""
+    import random as _random
+
     from loomrl.datasets.demo import make_sample
     from loomrl.datasets.shards import write_shards
     from loomrl.datasets.source import PromptSource
     from loomrl.datasets.stream import ShardStream
     from loomrl.platform.recipe import ModelConfig
-    import random as _random
 
     rng = _random.Random(0)
     samples = [make_sample(i, rng) for i in range(12)]

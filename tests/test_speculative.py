@@ -1,14 +1,21 @@
 """NgramRL in the built-in engine: exact speculative verification, prefetch fallback,
 bounded histories."""
+
 import random
 from collections import Counter
 
 import pytest
 import torch
-
-from chi_square import (assert_fits, assert_same_per_position, chi2_critical, tally_positions, tally_prefixes,
-                        two_sample_chi2)
+from chi_square import (
+    assert_fits,
+    assert_same_per_position,
+    chi2_critical,
+    tally_positions,
+    tally_prefixes,
+    two_sample_chi2,
+)
 from model_probs import prefix_probs, reference_probs
+
 from loomrl.platform.recipe import DrafterConfig, ModelConfig
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.drafter import NgramDrafter, Tree, _split, grow_tree
@@ -45,8 +52,9 @@ def test_greedy_tokens_identical_with_and_without_drafting(peaky_model, samples,
     prompts = text_prompts() + [Prompt(s.id, s.ids, s.media) for s in samples[:3]]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=14)
     plain = TorchRolloutEngine(peaky_model)
-    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=5, prefetch_budget=4, adaptive=False,
-                                                            tree_nodes=MODES[mode]))
+    spec = TorchRolloutEngine(
+        peaky_model, DrafterConfig(enabled=True, k=5, prefetch_budget=4, adaptive=False, tree_nodes=MODES[mode])
+    )
     # seed histories with *sampled* completions so drafts are partly wrong: varied acceptance
     warm(spec, prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=14))
     a, b = plain.generate(prompts, params), spec.generate(prompts, params)
@@ -66,8 +74,19 @@ def test_drafted_logprobs_equal_a_plain_forward(peaky_model, mode):
     warm(spec, prompts, params)
     res = spec.generate(prompts, params, torch.Generator().manual_seed(5))
     assert spec.last_stats.accepted_by_pos[0] > 0
-    trajs = [Trajectory(prompts[r.prompt_index].id, r.prompt_index, prompts[r.prompt_index].ids,
-                        r.completion_ids, [], r.logprobs, 0.0, 0) for r in res.rollouts]
+    trajs = [
+        Trajectory(
+            prompts[r.prompt_index].id,
+            r.prompt_index,
+            prompts[r.prompt_index].ids,
+            r.completion_ids,
+            [],
+            r.logprobs,
+            0.0,
+            0,
+        )
+        for r in res.rollouts
+    ]
     mb = collate(trajs, peaky_model.pad_token_id)
     with torch.no_grad():
         logp, _ = peaky_model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature=0.7)
@@ -135,8 +154,12 @@ def test_sampling_distribution_unchanged_by_drafting(peaky_model, temperature, t
     prompt = [Prompt("p0", [8, 9, 12, 15, 20], [])]
     params = SamplingParams(n=500, temperature=temperature, top_p=top_p, max_new_tokens=5)
     plain = TorchRolloutEngine(peaky_model)
-    spec = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, max_history=64, max_history_tokens=10**6,
-                                                            adaptive=False, tree_nodes=MODES[mode]))
+    spec = TorchRolloutEngine(
+        peaky_model,
+        DrafterConfig(
+            enabled=True, k=4, max_history=64, max_history_tokens=10**6, adaptive=False, tree_nodes=MODES[mode]
+        ),
+    )
     warm(spec, prompt, SamplingParams(n=30, temperature=temperature, top_p=top_p, max_new_tokens=5), rounds=1, seed=9)
     counts = {"plain": [{} for _ in range(4)], "spec": [{} for _ in range(4)]}
     prefixes: dict = {"plain": {}, "spec": {}}
@@ -163,9 +186,13 @@ def test_tokens_do_not_depend_on_the_draft_length(peaky_model, temperature, top_
     prompts = text_prompts()
     params = SamplingParams(n=6, temperature=temperature, top_p=top_p, max_new_tokens=12)
     outs, forwards = [], []
-    for cfg in (None, DrafterConfig(enabled=True, k=1, adaptive=False, tree_nodes=0),
-                DrafterConfig(enabled=True, k=4, adaptive=False, tree_nodes=0), DrafterConfig(enabled=True, k=4),
-                DrafterConfig(enabled=True, k=4, adaptive=False, tree_nodes=8)):
+    for cfg in (
+        None,
+        DrafterConfig(enabled=True, k=1, adaptive=False, tree_nodes=0),
+        DrafterConfig(enabled=True, k=4, adaptive=False, tree_nodes=0),
+        DrafterConfig(enabled=True, k=4),
+        DrafterConfig(enabled=True, k=4, adaptive=False, tree_nodes=8),
+    ):
         eng = TorchRolloutEngine(peaky_model, cfg)
         warm(eng, prompts, SamplingParams(n=6, temperature=1.0, max_new_tokens=12), seed=3)
         res = eng.generate(prompts, params, torch.Generator().manual_seed(11))
@@ -181,8 +208,7 @@ def test_trace_replay_counts_tokens_per_forward_as_worked_by_hand():
     twice: 3 forwards, 7 tokens. Row `b` (round 0, a warm-up) is replayed but not counted."""
     from loomrl.platform.rollout.bench_drafter import replay
 
-    rows = [{"round": 0, "completion_ids": [9, 9, 9, 9]},
-            {"round": 1, "completion_ids": [1, 2, 3, 4, 5, 6, 7]}]
+    rows = [{"round": 0, "completion_ids": [9, 9, 9, 9]}, {"round": 1, "completion_ids": [1, 2, 3, 4, 5, 6, 7]}]
 
     def make():
         state = {"row": None, "pos": 0}
@@ -191,7 +217,7 @@ def test_trace_replay_counts_tokens_per_forward_as_worked_by_hand():
             state.update(row=row["completion_ids"], pos=0)
 
         def propose(n):
-            truth = state["row"][state["pos"]:]
+            truth = state["row"][state["pos"] :]
             return (truth[:2] + [-1])[:n]
 
         def commit(tokens):
@@ -220,7 +246,7 @@ def test_tree_replay_counts_tokens_per_forward_as_worked_by_hand():
             state.update(row=row["completion_ids"], pos=0)
 
         def propose(n):
-            t = state["row"][state["pos"]:] + [0, 0, 0]
+            t = state["row"][state["pos"] :] + [0, 0, 0]
             # node 0 (wrong) -> node 2 (wrong); node 1 = t0 -> node 3 = t1 -> node 4 = t2
             return Tree([-5, t[0], -6, t[1], t[2]], [-1, -1, 0, 1, 3])
 
@@ -240,16 +266,16 @@ def test_bonus_token_seen_after_the_last_accepted_token_is_looked_up_in_every_hi
     from loomrl.platform.rollout.bench_drafter import _bigram_seen
 
     d = NgramDrafter(DrafterConfig(global_history=4))
-    d.observe("p", [1, 2, 3])    # prompt p's history: (2, 3); the cross-prompt history too
-    d.observe("q", [6, 2, 8])    # the cross-prompt history only, for p: (2, 8)
+    d.observe("p", [1, 2, 3])  # prompt p's history: (2, 3); the cross-prompt history too
+    d.observe("q", [6, 2, 8])  # the cross-prompt history only, for p: (2, 8)
     st = d.start("p", [5, 2])
-    assert _bigram_seen(d, st, [3])          # context 5 2, bonus 3: (2, 3) in p's history
-    assert _bigram_seen(d, st, [8])          # (2, 8): the cross-prompt history
-    assert not _bigram_seen(d, st, [9])      # (2, 9): nowhere
-    assert _bigram_seen(d, st, [2, 2])       # accepted 2 (context 5 2 2), bonus 2: (2, 2), made by the accepted
-    assert not _bigram_seen(d, st, [2, 5])   # (2, 5): nowhere
+    assert _bigram_seen(d, st, [3])  # context 5 2, bonus 3: (2, 3) in p's history
+    assert _bigram_seen(d, st, [8])  # (2, 8): the cross-prompt history
+    assert not _bigram_seen(d, st, [9])  # (2, 9): nowhere
+    assert _bigram_seen(d, st, [2, 2])  # accepted 2 (context 5 2 2), bonus 2: (2, 2), made by the accepted
+    assert not _bigram_seen(d, st, [2, 5])  # (2, 5): nowhere
     st2 = d.start("p", [2, 4, 7])
-    assert _bigram_seen(d, st2, [2, 4])      # accepted 2 (context 2 4 7 2), bonus 4: (2, 4) in the request
+    assert _bigram_seen(d, st2, [2, 4])  # accepted 2 (context 2 4 7 2), bonus 4: (2, 4) in the request
     assert not _bigram_seen(d, st2, [7, 9])
     assert st2.tokens == [2, 4, 7] and st.tokens == [5, 2]  # the checks leave the request as it was
 
@@ -259,7 +285,7 @@ def test_grow_tree_expands_the_most_probable_nodes_first():
     cands = [([5, 6, 7], 0, 2.0), ([5, 8, 9], 0, 1.0)]
     full = grow_tree(cands, k=3, nodes=10, smooth=0.0)
     assert (full.tokens, full.parents, full.depths()) == ([5, 6, 7, 8, 9], [-1, 0, 1, 0, 3], [1, 2, 3, 2, 3])
-    assert grow_tree(cands, k=3, nodes=3, smooth=0.0).tokens == [5, 6, 7]   # P: 1, 2/3, 2/3 before 1/3
+    assert grow_tree(cands, k=3, nodes=3, smooth=0.0).tokens == [5, 6, 7]  # P: 1, 2/3, 2/3 before 1/3
     assert grow_tree(cands, k=2, nodes=10, smooth=0.0).tokens == [5, 6, 8]  # at most k deep
     assert full.walk([5, 8, 9, 4]) == [0, 3, 4] and full.walk([6]) == []
 
@@ -269,8 +295,9 @@ def test_prefetch_and_fallback_commit_the_same_tokens(peaky_model):
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
     outs = {}
     for budget in (0, 16):
-        eng = TorchRolloutEngine(peaky_model, DrafterConfig(enabled=True, k=4, prefetch_budget=budget, adaptive=False,
-                                                                tree_nodes=0))
+        eng = TorchRolloutEngine(
+            peaky_model, DrafterConfig(enabled=True, k=4, prefetch_budget=budget, adaptive=False, tree_nodes=0)
+        )
         warm(eng, prompts, params, seed=2)
         res = eng.generate(prompts, params, torch.Generator().manual_seed(7))
         outs[budget] = ([r.completion_ids for r in res.rollouts], eng.last_stats)
@@ -308,7 +335,7 @@ def test_drafter_proposes_from_the_prompt_history():
     st = d.start("q", [100, 101])
     st.extend([1, 2, 3])
     draft = d.propose(st, 3)
-    assert draft.tokens == [4, 5, 7]        # majority at position 0, then the newest
+    assert draft.tokens == [4, 5, 7]  # majority at position 0, then the newest
     # support: history weight 2 x (1 + 0.01 x (16 - age)); ages 2, 1, 0 for the three completions
     assert draft.alternatives[0] == pytest.approx({4: 2 * 1.14 + 2 * 1.16, 9: 2 * 1.15})
     other = d.start("other", [100, 101])

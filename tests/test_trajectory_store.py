@@ -1,5 +1,6 @@
 """The trajectory store's accounting and media, the dispatcher under worker deaths, and
 the role-to-role message format."""
+
 import pytest
 import torch
 
@@ -28,8 +29,13 @@ def test_media_are_stored_once_per_content_key_and_released_after_training():
     assert store.media_bytes_naive == 3 * store.media_bytes_stored == 3 * 40
     store.take([g])
     store.mark_trained([g])
-    assert store.media == {} and store.accounting() == {"generated": 3, "trained": 3, "dropped": 0,
-                                                       "pending": 0, "dropped_by_reason": {}}
+    assert store.media == {} and store.accounting() == {
+        "generated": 3,
+        "trained": 3,
+        "dropped": 0,
+        "pending": 0,
+        "dropped_by_reason": {},
+    }
 
 
 def test_a_complete_group_cannot_grow_and_imbalance_is_caught():
@@ -44,8 +50,7 @@ def test_a_complete_group_cannot_grow_and_imbalance_is_caught():
 
 @pytest.mark.parametrize("policy", ["train_batch", "mini_batch"])
 def test_accounting_balances_after_injected_worker_deaths(policy):
-    w = Workload(workers=4, groups_per_mini_batch=4, mini_batches=2, train_batches=6, n=4, median_len=30,
-                 max_len=400)
+    w = Workload(workers=4, groups_per_mini_batch=4, mini_batches=2, train_batches=6, n=4, median_len=30, max_len=400)
     res = simulate(policy, w, seed=3, deaths={1: 500.0, 3: 1500.0})
     store, disp = res["store"], res["dispatcher"]
     assert set(disp.dead) == {1, 3}
@@ -80,8 +85,10 @@ def test_dispatcher_requeues_a_dead_workers_prompts_first():
 
 
 def test_messages_round_trip_without_pickle():
-    tensors = {name: (torch.randn(3, 2) * 100).to(dt) if dt.is_floating_point else torch.arange(6).to(dt).view(3, 2)
-               for name, dt in DTYPES.items()}
+    tensors = {
+        name: (torch.randn(3, 2) * 100).to(dt) if dt.is_floating_point else torch.arange(6).to(dt).view(3, 2)
+        for name, dt in DTYPES.items()
+    }
     tensors["empty"] = torch.zeros(0, 4)
     meta = {"kind": "result", "ids": [1, 2, 3], "logp": [-0.1234567890123, -2.5]}
     got_meta, got = unpack(pack(meta, tensors))
@@ -89,7 +96,7 @@ def test_messages_round_trip_without_pickle():
     for k, t in tensors.items():
         assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
     bad = pack({"x": 1}, {"t": torch.zeros(2)})
-    bad[:8] = torch.tensor([10 ** 9], dtype=torch.int64).view(torch.uint8)
+    bad[:8] = torch.tensor([10**9], dtype=torch.int64).view(torch.uint8)
     with pytest.raises(ValueError, match="header length"):
         unpack(bad)
 

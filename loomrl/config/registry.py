@@ -14,6 +14,7 @@ and listing the registered names. The registry of a package is filled when the p
 imported (its `__init__` imports the modules that register), so looking a name up never depends
 on which module happened to be imported first.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,12 +46,13 @@ class Registry(Generic[T]):
 
     def register(self, name: str, **traits: Any) -> Callable[[T], T]:
         """Decorator: register the class or function under `name`, with `traits`."""
+
         def add(obj: T) -> T:
             if name in self._entries and self._entries[name].obj is not obj:
-                raise ValueError(f"{self.kind} {name!r} is registered twice "
-                                 f"({self._entries[name].obj!r} and {obj!r})")
+                raise ValueError(f"{self.kind} {name!r} is registered twice ({self._entries[name].obj!r} and {obj!r})")
             self._entries[name] = Entry(name, obj, dict(traits))
             return obj
+
         return add
 
     def get(self, name: str) -> Entry[T]:
@@ -58,8 +60,9 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except (KeyError, TypeError):
-            raise RecipeError(f"{self.key}: unknown {self.kind} {show(name)}; registered: "
-                              f"{', '.join(self.names())}") from None
+            raise RecipeError(
+                f"{self.key}: unknown {self.kind} {show(name)}; registered: {', '.join(self.names())}"
+            ) from None
 
     def names(self) -> list[str]:
         return sorted(self._entries)

@@ -6,6 +6,7 @@ such a dataclass, refusing (RecipeError, naming the key path) an unknown key, a 
 number outside its range, NaN or infinity, a value outside a Literal's set, and YAML alias bombs;
 `apply_override` applies a `key.path=value` from the command line; `field_docs` lists every key
 with its type, default and documentation (`loomrl recipe`). Imports nothing else from loomrl."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,8 +65,14 @@ def _num(x: Optional[float]) -> str:
     return str(int(x)) if isinstance(x, int) or (x is not None and float(x).is_integer()) else repr(x)
 
 
-def ranged(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None,
-           le: Optional[float] = None, lt: Optional[float] = None) -> Any:
+def ranged(
+    default: Any,
+    *,
+    ge: Optional[float] = None,
+    gt: Optional[float] = None,
+    le: Optional[float] = None,
+    lt: Optional[float] = None,
+) -> Any:
     """A numeric field: its default and its range (ge/gt: >= / > low, le/lt: <= / < high; none:
     any finite number). Checked when a recipe is loaded, shown by `loomrl recipe`."""
     rng = Range(gt if gt is not None else ge, lt if lt is not None else le, gt is not None, lt is not None)
@@ -84,8 +91,9 @@ def check_choice(value: Any, f: dataclasses.Field, path: str) -> None:
     """A `choice` field's value is a registered name (the same message as a Literal's)."""
     registry = f.metadata.get("choices")
     if registry is not None and value not in registry.names():
-        raise RecipeError(f"{path}: {show(value)} is not allowed; allowed values: "
-                          + ", ".join(repr(a) for a in registry.names()))
+        raise RecipeError(
+            f"{path}: {show(value)} is not allowed; allowed values: " + ", ".join(repr(a) for a in registry.names())
+        )
 
 
 def type_name(tp: Any, rng: Optional[Range] = None) -> str:
@@ -149,8 +157,10 @@ def check_aliases(data: Any, where: str) -> None:
     except RecursionError:
         raise RecipeError(f"{where}: nested too deeply") from None
     if extra > ALIAS_BUDGET:
-        raise RecipeError(f"{where}: YAML aliases expand to {extra} more values than are written, over the "
-                          f"limit of {ALIAS_BUDGET} (an alias bomb?); refused")
+        raise RecipeError(
+            f"{where}: YAML aliases expand to {extra} more values than are written, over the "
+            f"limit of {ALIAS_BUDGET} (an alias bomb?); refused"
+        )
 
 
 def _check_number(value: float, raw: Any, rng: Optional[Range], path: str) -> None:
@@ -178,8 +188,9 @@ def convert(value: Any, tp: Any, path: str, rng: Optional[Range] = None) -> Any:
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            raise RecipeError(f"{path}: {show(value)} is not allowed; allowed values: "
-                              + ", ".join(repr(a) for a in allowed))
+            raise RecipeError(
+                f"{path}: {show(value)} is not allowed; allowed values: " + ", ".join(repr(a) for a in allowed)
+            )
         return value
     if origin is list:
         if not isinstance(value, list):
@@ -260,7 +271,7 @@ def apply_override(data: dict, override: str) -> None:
         if child is None:
             child = node[part] = {}
         elif not isinstance(child, dict):
-            raise RecipeError(f"override {cut(key)}: {cut('.'.join(parts[:i + 1]))} is not a mapping")
+            raise RecipeError(f"override {cut(key)}: {cut('.'.join(parts[: i + 1]))} is not a mapping")
         node = child
     node[parts[-1]] = value
 
@@ -299,8 +310,13 @@ def field_docs(cls: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
     docs: dict[str, str] = {}
     body = src.body[0].body if isinstance(src.body[0], ast.ClassDef) else []
     for a, b in zip(body, body[1:]):
-        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+        if (
+            isinstance(a, ast.AnnAssign)
+            and isinstance(a.target, ast.Name)
+            and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant)
+            and isinstance(b.value.value, str)
+        ):
             docs[a.target.id] = " ".join(b.value.value.split())
     rows = []
     hints = typing.get_type_hints(cls)

@@ -5,6 +5,7 @@ every medium the way training does; it reports each fault (shard, sample,
 member, reason) and goes on. inspect reads only the tar headers and each
 sample's .json: counts, modalities, unique media by hash, bytes, shard sizes.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,9 +33,14 @@ def _fault(e: ShardError) -> Fault:
     return Fault(e.shard, e.key, e.member, e.reason)
 
 
-def verify_shard(path: str, *, sample_rate: int = 16000, max_pixels: int = 50_000_000,
-                 max_member_bytes: int = MAX_MEMBER_BYTES,
-                 max_audio_seconds: float = MAX_AUDIO_SECONDS) -> Iterator[tuple[str, Fault | None]]:
+def verify_shard(
+    path: str,
+    *,
+    sample_rate: int = 16000,
+    max_pixels: int = 50_000_000,
+    max_member_bytes: int = MAX_MEMBER_BYTES,
+    max_audio_seconds: float = MAX_AUDIO_SECONDS,
+) -> Iterator[tuple[str, Fault | None]]:
     """(sample key, fault or None) for every sample of a shard. A fault in the
     tar structure (hostile member, damage) ends the shard with one fault."""
     try:
@@ -46,16 +52,19 @@ def verify_shard(path: str, *, sample_rate: int = 16000, max_pixels: int = 50_00
                     yield ref.key, _fault(e)
                     continue
                 members = [m["member"] for m in read_header(fh, ref).get("media", [])]
-                yield ref.key, _decode_fault(ref.shard, ref.key, members, sample, sample_rate, max_pixels,
-                                             max_audio_seconds)
+                yield (
+                    ref.key,
+                    _decode_fault(ref.shard, ref.key, members, sample, sample_rate, max_pixels, max_audio_seconds),
+                )
     except ShardError as e:
         yield e.key or "", _fault(e)
     except OSError as e:
         yield "", Fault(path, None, None, f"cannot be read ({e.strerror or e})")
 
 
-def _decode_fault(shard: str, key: str, members: list[str], sample: dict, sample_rate: int,
-                  max_pixels: int, max_audio_seconds: float) -> Fault | None:
+def _decode_fault(
+    shard: str, key: str, members: list[str], sample: dict, sample_rate: int, max_pixels: int, max_audio_seconds: float
+) -> Fault | None:
     for member, (kind, _, data) in zip(members, sample["media"]):
         try:
             if kind == "image":
@@ -74,8 +83,9 @@ class VerifyResult:
     faults: list[Fault] = field(default_factory=list)
 
 
-def verify_shards(files: list[str], *, on_fault: Callable[[Fault], None] = lambda f: None,
-                  progress: bool = False, **limits) -> VerifyResult:
+def verify_shards(
+    files: list[str], *, on_fault: Callable[[Fault], None] = lambda f: None, progress: bool = False, **limits
+) -> VerifyResult:
     """Verify every shard; each fault goes to `on_fault` and into the result."""
     from tqdm import tqdm
 

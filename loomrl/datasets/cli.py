@@ -5,6 +5,7 @@ sample written, a verify fault, an unreadable shard); 2 the command itself is
 wrong (bad option, no such manifest, no shard matches, output exists) or the
 output cannot be written (disk full, no permission: nothing is left behind).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,19 @@ import sys
 
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
 
 
 def byte_count(text: str) -> int:
@@ -66,8 +78,7 @@ def field_mapping(text: str) -> tuple[str, str]:
     if not eq or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not NAME=KEY (e.g. prompt=question)")
     if name not in FIELD_KEYS:
-        raise argparse.ArgumentTypeError(f"unknown field {name!r} in {text!r}; NAME is one of "
-                                         f"{', '.join(FIELD_KEYS)}")
+        raise argparse.ArgumentTypeError(f"unknown field {name!r} in {text!r}; NAME is one of {', '.join(FIELD_KEYS)}")
     return name, key
 
 
@@ -106,39 +117,59 @@ def cmd_make(args) -> int:
             return 2
         mapping[name] = key
     try:
-        options = ReadOptions.with_fields(mapping, require_markers=args.require_markers,
-                                          allow_outside=args.allow_outside)
+        options = ReadOptions.with_fields(
+            mapping, require_markers=args.require_markers, allow_outside=args.allow_outside
+        )
     except ValueError as e:
         print(f"error: --field: {e}", file=sys.stderr)
         return 2
     try:
         existing = existing_shards(args.out)
     except OSError as e:  # the target folder cannot be listed (no permission)
-        print(f"error: --out: cannot look for existing shards in {e.filename or args.out}: {e.strerror or e}",
-              file=sys.stderr)
+        print(
+            f"error: --out: cannot look for existing shards in {e.filename or args.out}: {e.strerror or e}",
+            file=sys.stderr,
+        )
         return 2
     if existing:
-        print(f"error: --out: {len(existing)} file(s) already match {args.out!r} (first: {existing[0]}); "
-              f"remove them or choose another --out", file=sys.stderr)
+        print(
+            f"error: --out: {len(existing)} file(s) already match {args.out!r} (first: {existing[0]}); "
+            f"remove them or choose another --out",
+            file=sys.stderr,
+        )
         return 2
     if os.path.lexists(_rejected_path(args.out)):
-        print(f"error: --out: {_rejected_path(args.out)} already exists (an earlier make's rejections); "
-              f"remove it or choose another folder for --out", file=sys.stderr)
+        print(
+            f"error: --out: {_rejected_path(args.out)} already exists (an earlier make's rejections); "
+            f"remove it or choose another folder for --out",
+            file=sys.stderr,
+        )
         return 2
-    limits = Limits(sample_rate=args.sample_rate, max_pixels=args.max_pixels,
-                    max_audio_seconds=args.max_audio_seconds, max_file_bytes=args.max_file_bytes)
+    limits = Limits(
+        sample_rate=args.sample_rate,
+        max_pixels=args.max_pixels,
+        max_audio_seconds=args.max_audio_seconds,
+        max_file_bytes=args.max_file_bytes,
+    )
     echo = RejectionEcho()
     try:
-        result = make_shards(args.source, args.out, maxcount=args.maxcount, maxsize=args.maxsize,
-                             limits=limits, workers=args.workers, on_reject=echo,
-                             progress=progress_wanted(), options=options)
+        result = make_shards(
+            args.source,
+            args.out,
+            maxcount=args.maxcount,
+            maxsize=args.maxsize,
+            limits=limits,
+            workers=args.workers,
+            on_reject=echo,
+            progress=progress_wanted(),
+            options=options,
+        )
     except (FileNotFoundError, NotRegularFile) as e:  # no manifest, or a FIFO or device in its place
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, no permission: make_shards has removed what it wrote
         where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or e}; no shard was written and no partial file is left",
-              file=sys.stderr)
+        print(f"error: {where}{e.strerror or e}; no shard was written and no partial file is left", file=sys.stderr)
         return 2
     echo.close()
     if args.json:
@@ -170,10 +201,15 @@ def cmd_verify(args) -> int:
     if not files:
         print(f"error: no shards match {' '.join(args.patterns)}", file=sys.stderr)
         return 2
-    result = verify_shards(files, on_fault=lambda f: print(f"FAULT {f}", file=sys.stderr, flush=True),
-                           progress=progress_wanted(), sample_rate=args.sample_rate,
-                           max_pixels=args.max_pixels, max_member_bytes=args.max_member_bytes,
-                           max_audio_seconds=args.max_audio_seconds)
+    result = verify_shards(
+        files,
+        on_fault=lambda f: print(f"FAULT {f}", file=sys.stderr, flush=True),
+        progress=progress_wanted(),
+        sample_rate=args.sample_rate,
+        max_pixels=args.max_pixels,
+        max_member_bytes=args.max_member_bytes,
+        max_audio_seconds=args.max_audio_seconds,
+    )
     status = "OK" if not result.faults else f"{len(result.faults)} FAULT(S)"
     print(f"verified {result.samples} samples in {result.shards} shard(s): {status}")
     return 1 if result.faults else 0
@@ -198,8 +234,11 @@ def cmd_inspect(args) -> int:
     print(f"shards        {stats['shards']} ({stats['shard_bytes'] / mb:.2f} MB)")
     print(f"samples       {stats['samples']}")
     print("modalities    " + ", ".join(f"{k} {v}" for k, v in stats["modalities"].items()))
-    print(f"media         {stats['media_total']} (" + ", ".join(f"{k} {v}" for k, v in stats["media"].items())
-          + f"), {stats['media_bytes'] / mb:.2f} MB")
+    print(
+        f"media         {stats['media_total']} ("
+        + ", ".join(f"{k} {v}" for k, v in stats["media"].items())
+        + f"), {stats['media_bytes'] / mb:.2f} MB"
+    )
     print(f"unique media  {stats['media_unique']} by sha256, {stats['media_unique_bytes'] / mb:.2f} MB")
     print("shard sizes:")
     for s in stats["shard_sizes"]:
@@ -214,43 +253,67 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="loomrl shards", description="Prepare, verify and inspect webdataset shards.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make", help="validate a JSONL manifest's samples and write shards",
-                       description="Validate every sample of a JSONL manifest (or a folder of them) and write "
-                                   "the good ones to tar shards; bad ones go to DIR/rejected.jsonl.")
+    p = sub.add_parser(
+        "make",
+        help="validate a JSONL manifest's samples and write shards",
+        description="Validate every sample of a JSONL manifest (or a folder of them) and write "
+        "the good ones to tar shards; bad ones go to DIR/rejected.jsonl.",
+    )
     p.add_argument("source", help="manifest .jsonl, or a folder of .jsonl files")
     p.add_argument("--out", required=True, help="shard pattern, e.g. 'data/train/train-%%06d.tar'")
     p.add_argument("--maxcount", type=positive_int, default=1000, help="samples per shard (default 1000)")
     p.add_argument("--maxsize", type=byte_count, default=None, help="bytes per shard, e.g. 1GB (default: no limit)")
     p.add_argument("--strict", action="store_true", help="exit 1 if any sample is rejected")
-    p.add_argument("--sample-rate", type=positive_int, default=16000,
-                   help="audio is stored mono at this rate (Hz)")
+    p.add_argument("--sample-rate", type=positive_int, default=16000, help="audio is stored mono at this rate (Hz)")
     p.add_argument("--max-pixels", type=positive_int, default=50_000_000, help="largest image (width x height)")
     p.add_argument("--max-audio-seconds", type=positive_seconds, default=60.0, help="longest clip")
-    p.add_argument("--max-file-bytes", type=byte_count, default=MAX_MEMBER_BYTES,
-                   help=f"largest media file, as read and as stored (default {MAX_MEMBER_BYTES})")
+    p.add_argument(
+        "--max-file-bytes",
+        type=byte_count,
+        default=MAX_MEMBER_BYTES,
+        help=f"largest media file, as read and as stored (default {MAX_MEMBER_BYTES})",
+    )
     p.add_argument("--workers", type=thread_count, default=4, help="decoding threads (default 4)")
-    p.add_argument("--field", type=field_mapping, action="append", default=[], metavar="NAME=KEY",
-                   help="read field NAME (id, prompt, answer, images, audio) from manifest key KEY only; "
-                        "repeatable (default keys: docs/shards.md)")
-    p.add_argument("--require-markers", action="store_true",
-                   help="reject a prompt with media but no <image>/<audio> marker (default: the media "
-                        "are placed before its text)")
-    p.add_argument("--allow-outside", action="store_true",
-                   help="allow media paths that resolve outside the manifest's folder (trusted manifests only)")
+    p.add_argument(
+        "--field",
+        type=field_mapping,
+        action="append",
+        default=[],
+        metavar="NAME=KEY",
+        help="read field NAME (id, prompt, answer, images, audio) from manifest key KEY only; "
+        "repeatable (default keys: docs/shards.md)",
+    )
+    p.add_argument(
+        "--require-markers",
+        action="store_true",
+        help="reject a prompt with media but no <image>/<audio> marker (default: the media are placed before its text)",
+    )
+    p.add_argument(
+        "--allow-outside",
+        action="store_true",
+        help="allow media paths that resolve outside the manifest's folder (trusted manifests only)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(fn=cmd_make)
 
-    for name, fn, text in (("verify", cmd_verify, "read every sample back: hashes, decodability"),
-                           ("inspect", cmd_inspect, "counts, modalities, unique media, bytes, shard sizes")):
+    for name, fn, text in (
+        ("verify", cmd_verify, "read every sample back: hashes, decodability"),
+        ("inspect", cmd_inspect, "counts, modalities, unique media, bytes, shard sizes"),
+    ):
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("patterns", nargs="+", metavar="PATTERN", help="shard files, globs or brace ranges")
-        p.add_argument("--max-member-bytes", type=byte_count, default=MAX_MEMBER_BYTES,
-                       help="largest tar member accepted")
+        p.add_argument(
+            "--max-member-bytes", type=byte_count, default=MAX_MEMBER_BYTES, help="largest tar member accepted"
+        )
         if name == "verify":
             p.add_argument("--sample-rate", type=positive_int, default=16000, help="rate audio is decoded at")
             p.add_argument("--max-pixels", type=positive_int, default=50_000_000, help="largest image accepted")
-            p.add_argument("--max-audio-seconds", type=positive_seconds, default=60.0,
-                           help="longest clip accepted, checked from its header before decoding")
+            p.add_argument(
+                "--max-audio-seconds",
+                type=positive_seconds,
+                default=60.0,
+                help="longest clip accepted, checked from its header before decoding",
+            )
         else:
             p.add_argument("--json", action="store_true", help="print the numbers as JSON")
         p.set_defaults(fn=fn)

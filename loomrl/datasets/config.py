@@ -1,4 +1,5 @@
 """Settings of the training data (`data`) and of the held-out split scored during a run (`validation`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

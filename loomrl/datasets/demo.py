@@ -9,6 +9,7 @@ carries the template, the true slot words and each slot's choices, so the
 `slot_match` reward can score a completion and a `format` warm-up can teach
 the sentence shape without the content.
 """
+
 from __future__ import annotations
 
 import io
@@ -23,12 +24,12 @@ OUTLINES = ("circle", "square")
 PITCHES = {"low": 250.0, "middle": 700.0, "high": 2000.0}
 
 TASKS = {
-    "image": ("<image> describe the picture .",
-              "the picture shows a {size} {color} shape on a dark background ."),
-    "audio": ("<audio> describe the sound .",
-              "the sound is a {pitch} tone played over soft noise ."),
-    "both": ("<image> <audio> describe the picture and the sound .",
-             "a {size} {color} shape is shown while a {pitch} tone plays ."),
+    "image": ("<image> describe the picture .", "the picture shows a {size} {color} shape on a dark background ."),
+    "audio": ("<audio> describe the sound .", "the sound is a {pitch} tone played over soft noise ."),
+    "both": (
+        "<image> <audio> describe the picture and the sound .",
+        "a {size} {color} shape is shown while a {pitch} tone plays .",
+    ),
 }
 CHOICES = {"size": list(SIZES), "color": list(COLORS), "pitch": list(PITCHES)}
 
@@ -86,21 +87,23 @@ def make_sample(index: int, rng: random.Random) -> dict:
     if kind in ("audio", "both"):
         slots["pitch"] = rng.choice(CHOICES["pitch"])
         media.append(("audio", "aud0.wav", render_tone(slots["pitch"], rng)))
-    meta = {"task": kind, "template": template, "slots": slots,
-            "choices": {k: CHOICES[k] for k in slots}}
-    return {"id": f"demo-{index:06d}", "prompt": prompt, "answer": template.format(**slots),
-            "meta": meta, "media": media}
+    meta = {"task": kind, "template": template, "slots": slots, "choices": {k: CHOICES[k] for k in slots}}
+    return {
+        "id": f"demo-{index:06d}",
+        "prompt": prompt,
+        "answer": template.format(**slots),
+        "meta": meta,
+        "media": media,
+    }
 
 
 def write_demo_shards(directory: str, samples: int, samples_per_shard: int, seed: int) -> list[str]:
     from loomrl.datasets.shards import write_shards
 
     rng = random.Random(seed)
-    return write_shards((make_sample(i, rng) for i in range(samples)),
-                        f"{directory}/demo-%06d.tar", samples_per_shard)
+    return write_shards((make_sample(i, rng) for i in range(samples)), f"{directory}/demo-%06d.tar", samples_per_shard)
 
 
 def format_only_answer(meta: dict, rng: random.Random) -> str:
     """The answer template with every slot filled at random from its choices."""
     return meta["template"].format(**{k: rng.choice(v) for k, v in meta["choices"].items()})
-

@@ -8,6 +8,7 @@ is checked with fstat: anything but a regular file is closed again unread and
 refused. The check is of the open file itself, not of a stat before the open,
 so a name swapped in between cannot get past it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -15,8 +16,12 @@ import os
 import stat
 from typing import BinaryIO
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 class NotRegularFile(OSError):

@@ -42,6 +42,7 @@ A manifest is a .jsonl file or a folder of them (read in name order). A bad
 line (bad JSON, over 1 MiB, nested deeper than 64, a wrong type) becomes a
 `Rejection`, never an exception: the job goes on.
 """
+
 from __future__ import annotations
 
 import json
@@ -98,9 +99,10 @@ class ReadOptions:
         if twice:
             raise ValueError(f"key(s) {twice} mapped to more than one field")
         claimed = set(keys)
-        fields = tuple((name, (mapping[name],) if name in mapping else
-                        tuple(k for k in default if k not in claimed))
-                       for name, default in FIELD_KEYS.items())
+        fields = tuple(
+            (name, (mapping[name],) if name in mapping else tuple(k for k in default if k not in claimed))
+            for name, default in FIELD_KEYS.items()
+        )
         return cls(fields=fields, explicit=frozenset(mapping), **switches)
 
 
@@ -113,7 +115,7 @@ class Entry:
     answer: Optional[str]
     meta: dict
     media: list[tuple[str, str]]  # (kind, absolute or manifest-relative-resolved path)
-    where: str                    # manifest.jsonl:LINE
+    where: str  # manifest.jsonl:LINE
     markers_placed: bool = False  # the prompt had no marker: they were put before its text
 
 
@@ -122,9 +124,9 @@ class Rejection:
     """A sample (or line) left out, and why: reported on stderr and in rejected.jsonl."""
 
     id: Optional[str]
-    where: str            # manifest.jsonl:LINE
-    code: str             # short, countable: missing-file, not-an-image, ...
-    reason: str           # one readable sentence
+    where: str  # manifest.jsonl:LINE
+    code: str  # short, countable: missing-file, not-an-image, ...
+    reason: str  # one readable sentence
     file: Optional[str] = None
 
     def to_json(self) -> dict:
@@ -174,12 +176,17 @@ class Manifest:
                 for n, raw in enumerate(fh, 1):
                     if not raw.strip():
                         continue
-                    item = parse_line(raw, f"{path}:{n}", os.path.dirname(os.path.abspath(path)),
-                                      options, default_id=f"{stem}-{n}")
+                    item = parse_line(
+                        raw, f"{path}:{n}", os.path.dirname(os.path.abspath(path)), options, default_id=f"{stem}-{n}"
+                    )
                     if isinstance(item, Entry):
                         if item.id in seen:
-                            item = Rejection(item.id, item.where, "duplicate-id",
-                                             f"id {item.id!r} was already used at {seen[item.id]}")
+                            item = Rejection(
+                                item.id,
+                                item.where,
+                                "duplicate-id",
+                                f"id {item.id!r} was already used at {seen[item.id]}",
+                            )
                         else:
                             seen[item.id] = item.where
                     yield item
@@ -203,10 +210,12 @@ def _depth(value: object) -> int:
     return deepest
 
 
-def parse_line(raw: bytes, where: str, base: str, options: ReadOptions = ReadOptions(),
-               default_id: Optional[str] = None) -> Union[Entry, Rejection]:
+def parse_line(
+    raw: bytes, where: str, base: str, options: ReadOptions = ReadOptions(), default_id: Optional[str] = None
+) -> Union[Entry, Rejection]:
     """One manifest line -> Entry, or a Rejection naming what is wrong with it. `base` is the
     manifest's folder; `default_id` the id of a line without one (None: the id is required)."""
+
     def bad(reason: str, sample_id: Optional[str] = None) -> Rejection:
         return Rejection(sample_id, where, "bad-line", reason)
 
@@ -230,8 +239,11 @@ def parse_line(raw: bytes, where: str, base: str, options: ReadOptions = ReadOpt
         if len(present) > 1:
             sid = values.get("id", (None, None))[1]  # read first: "id" has one key
             sid = str(sid) if isinstance(sid, (str, int)) and not isinstance(sid, bool) else default_id
-            return bad(f"keys {' and '.join(repr(k) for k in present)} both give the {name}; keep one, "
-                       f"or choose with --field {name}=KEY", sid)
+            return bad(
+                f"keys {' and '.join(repr(k) for k in present)} both give the {name}; keep one, "
+                f"or choose with --field {name}=KEY",
+                sid,
+            )
         if present:
             values[name] = (present[0], obj.pop(present[0]))
 
@@ -255,21 +267,22 @@ def parse_line(raw: bytes, where: str, base: str, options: ReadOptions = ReadOpt
 
     answer = values.get("answer", (None, None))[1]
     answers = None
-    if isinstance(answer, list) and len(answer) == 4 and all(
-            isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in answer):
+    if (
+        isinstance(answer, list)
+        and len(answer) == 4
+        and all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in answer)
+    ):
         answer = json.dumps(answer)  # a grounding box [x1, y1, x2, y2] (the `iou` reward reads it)
     elif isinstance(answer, list):
         if not answer or not all(isinstance(a, str) for a in answer):
-            return bad(f"field {key_of('answer')} must be a non-empty list of strings when a list",
-                       sample_id)
+            return bad(f"field {key_of('answer')} must be a non-empty list of strings when a list", sample_id)
         answers, answer = answer, answer[0]
     elif isinstance(answer, (int, float)) and not isinstance(answer, bool):
         if not math.isfinite(answer):
             return bad(f"field {key_of('answer')} must be a finite number when a number", sample_id)
         answer = str(answer)
     elif answer is not None and not isinstance(answer, str):
-        return bad(f"field {key_of('answer')} must be a string, a number or a list of strings when given",
-                   sample_id)
+        return bad(f"field {key_of('answer')} must be a string, a number or a list of strings when given", sample_id)
 
     lists = {}
     for name in ("images", "audio"):
@@ -289,8 +302,11 @@ def parse_line(raw: bytes, where: str, base: str, options: ReadOptions = ReadOpt
         return bad("field 'meta' must be an object when given", sample_id)
     if answers is not None:
         if "answers" in obj or "answers" in meta:
-            return bad(f"field {key_of('answer')} is a list, kept in meta as 'answers', but the line "
-                       f"already has an 'answers' key", sample_id)
+            return bad(
+                f"field {key_of('answer')} is a list, kept in meta as 'answers', but the line "
+                f"already has an 'answers' key",
+                sample_id,
+            )
         obj["answers"] = answers
     clash = sorted(set(meta) & set(obj))
     if clash:
@@ -301,28 +317,41 @@ def parse_line(raw: bytes, where: str, base: str, options: ReadOptions = ReadOpt
     n_images, n_clips = len(lists["images"]), len(lists["audio"])
     placed = not markers and n_images + n_clips > 0
     if placed and options.require_markers:
-        return Rejection(sample_id, where, "marker-mismatch",
-                         f"prompt has no <image> or <audio> marker for {n_images} image(s) and {n_clips} "
-                         f"clip(s), and --require-markers is on; put one marker where each medium goes, "
-                         f"or leave out --require-markers to have them placed before the text")
+        return Rejection(
+            sample_id,
+            where,
+            "marker-mismatch",
+            f"prompt has no <image> or <audio> marker for {n_images} image(s) and {n_clips} "
+            f"clip(s), and --require-markers is on; put one marker where each medium goes, "
+            f"or leave out --require-markers to have them placed before the text",
+        )
     if placed:
         markers = ["image"] * n_images + ["audio"] * n_clips
         prompt = "<image>" * n_images + "<audio>" * n_clips + prompt
     counts = {"image": markers.count("image"), "audio": markers.count("audio")}
     if counts["image"] != n_images or counts["audio"] != n_clips:
-        return Rejection(sample_id, where, "marker-mismatch",
-                         f"prompt has {counts['image']} <image> and {counts['audio']} <audio> marker(s) for "
-                         f"{n_images} image(s) and {n_clips} clip(s); put one marker where each medium goes "
-                         f"(or none at all, to have them placed before the text)")
+        return Rejection(
+            sample_id,
+            where,
+            "marker-mismatch",
+            f"prompt has {counts['image']} <image> and {counts['audio']} <audio> marker(s) for "
+            f"{n_images} image(s) and {n_clips} clip(s); put one marker where each medium goes "
+            f"(or none at all, to have them placed before the text)",
+        )
 
     if not options.allow_outside:
         for path in lists["images"] + lists["audio"]:
             real = outside(path, base)
             if real is not None:
-                return Rejection(sample_id, where, "path-outside-source",
-                                 f"{path!r} resolves to {real}, outside the manifest's folder "
-                                 f"{os.path.realpath(base)}; --allow-outside allows it (trusted manifests "
-                                 f"only)", file=os.path.join(base, path))
+                return Rejection(
+                    sample_id,
+                    where,
+                    "path-outside-source",
+                    f"{path!r} resolves to {real}, outside the manifest's folder "
+                    f"{os.path.realpath(base)}; --allow-outside allows it (trusted manifests "
+                    f"only)",
+                    file=os.path.join(base, path),
+                )
     queues = {"image": list(lists["images"]), "audio": list(lists["audio"])}
     media = [(kind, os.path.join(base, queues[kind].pop(0))) for kind in markers]
     return Entry(sample_id, prompt, answer, meta, media, where, markers_placed=placed)

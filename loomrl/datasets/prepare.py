@@ -19,6 +19,7 @@ Rejection (stderr, rejected.jsonl, summary counts). How manifest lines are read
 inside the manifest's folder) is `manifest.ReadOptions`; the summary counts the
 written samples whose markers were placed.
 """
+
 from __future__ import annotations
 
 import io
@@ -164,8 +165,9 @@ def prepare_entry(entry: Entry, limits: Limits) -> Union[dict, Rejection]:
             else:
                 ext, stored = "wav", prepare_audio(data, limits)
             if len(stored) > limits.max_file_bytes:
-                raise Reject("file-too-large", f"stored form of {len(stored)} bytes is over the limit "
-                                               f"of {limits.max_file_bytes}")
+                raise Reject(
+                    "file-too-large", f"stored form of {len(stored)} bytes is over the limit of {limits.max_file_bytes}"
+                )
         except Reject as r:
             return Rejection(entry.id, entry.where, r.code, r.reason, file=path)
         prefix = "img" if kind == "image" else "aud"
@@ -193,9 +195,11 @@ class MakeResult:
     def summary(self) -> str:
         codes = Counter(r.code for r in self.rejected)
         total = sum(os.path.getsize(s) for s in self.shards)
-        text = (f"wrote {self.samples} samples ({self.media['image']} images, {self.media['audio']} clips, "
-                f"{self.media_bytes / 1e6:.1f} MB of media) to {len(self.shards)} shard(s), "
-                f"{total / 1e6:.1f} MB, in {self.seconds:.1f} s")
+        text = (
+            f"wrote {self.samples} samples ({self.media['image']} images, {self.media['audio']} clips, "
+            f"{self.media_bytes / 1e6:.1f} MB of media) to {len(self.shards)} shard(s), "
+            f"{total / 1e6:.1f} MB, in {self.seconds:.1f} s"
+        )
         if self.markers_placed:
             text += f"; markers placed before the text in {self.markers_placed}"
         if self.rejected:
@@ -207,17 +211,32 @@ class MakeResult:
     def to_json(self) -> dict:
         """The summary's numbers (`shards make --json`)."""
         codes = Counter(r.code for r in self.rejected)
-        return {"written": self.samples, "shards": list(self.shards),
-                "shard_bytes": sum(os.path.getsize(s) for s in self.shards),
-                "images": self.media["image"], "clips": self.media["audio"], "media_bytes": self.media_bytes,
-                "markers_placed": self.markers_placed, "rejected": len(self.rejected),
-                "rejected_by_code": dict(codes.most_common()), "seconds": round(self.seconds, 3)}
+        return {
+            "written": self.samples,
+            "shards": list(self.shards),
+            "shard_bytes": sum(os.path.getsize(s) for s in self.shards),
+            "images": self.media["image"],
+            "clips": self.media["audio"],
+            "media_bytes": self.media_bytes,
+            "markers_placed": self.markers_placed,
+            "rejected": len(self.rejected),
+            "rejected_by_code": dict(codes.most_common()),
+            "seconds": round(self.seconds, 3),
+        }
 
 
-def make_shards(source: str, pattern: str, *, maxcount: int = 1000, maxsize: Optional[int] = None,
-                limits: Limits = Limits(), workers: int = 4,
-                on_reject: Callable[[Rejection], None] = lambda r: None,
-                progress: bool = False, options: ReadOptions = ReadOptions()) -> MakeResult:
+def make_shards(
+    source: str,
+    pattern: str,
+    *,
+    maxcount: int = 1000,
+    maxsize: Optional[int] = None,
+    limits: Limits = Limits(),
+    workers: int = 4,
+    on_reject: Callable[[Rejection], None] = lambda r: None,
+    progress: bool = False,
+    options: ReadOptions = ReadOptions(),
+) -> MakeResult:
     """Validate every sample of the manifest(s) at `source` (lines read with
     `options`) and write the good ones with `write_shards`; every rejection goes
     to `on_reject` and to DIR/rejected.jsonl (DIR = the pattern's folder; written
@@ -234,8 +253,13 @@ def make_shards(source: str, pattern: str, *, maxcount: int = 1000, maxsize: Opt
     out_dir = os.path.dirname(pattern) or "."
     os.makedirs(out_dir, exist_ok=True)
     rej_path = os.path.join(out_dir, "rejected.jsonl")
-    bar = tqdm(total=manifest.count_lines() if progress else None, disable=not progress,
-               unit="sample", desc="shards make", dynamic_ncols=True)
+    bar = tqdm(
+        total=manifest.count_lines() if progress else None,
+        disable=not progress,
+        unit="sample",
+        desc="shards make",
+        dynamic_ncols=True,
+    )
 
     def reject(r: Rejection) -> None:
         result.rejected.append(r)
@@ -252,8 +276,7 @@ def make_shards(source: str, pattern: str, *, maxcount: int = 1000, maxsize: Opt
         with ThreadPoolExecutor(max(1, workers)) as pool:
             pending = []
             for item in manifest.entries(options):
-                pending.append((pool.submit(prepare_entry, item, limits), item) if isinstance(item, Entry)
-                               else item)
+                pending.append((pool.submit(prepare_entry, item, limits), item) if isinstance(item, Entry) else item)
                 if len(pending) >= 4 * max(1, workers):
                     yield from settle(pending.pop(0))
             for p in pending:
@@ -320,8 +343,11 @@ class RejectionEcho:
         if self.seen <= self.limit:
             print_rejection(r)
         elif self.seen == self.limit + 1:
-            print("... more rejections are counted but not shown here (all are in rejected.jsonl)", file=sys.stderr,
-                  flush=True)
+            print(
+                "... more rejections are counted but not shown here (all are in rejected.jsonl)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.seen > self.limit:

@@ -13,6 +13,7 @@ needs against hostile or damaged tars:
 - member sizes: bounded (`max_member_bytes`) before anything is read;
 - nothing is unpickled: members are raw bytes, only `.json` is parsed.
 """
+
 from __future__ import annotations
 
 import errno
@@ -100,8 +101,7 @@ def _sample_members(s: dict) -> list[tuple[str, bytes]]:
 def _tar_bytes(members: list[tuple[str, bytes]]) -> int:
     """Bytes these members take in a tar: headers (with any pax extension) plus
     data padded to 512-byte blocks."""
-    return sum(len(_tarinfo(n, len(d)).tobuf(tarfile.PAX_FORMAT)) + -(-len(d) // 512) * 512
-               for n, d in members)
+    return sum(len(_tarinfo(n, len(d)).tobuf(tarfile.PAX_FORMAT)) + -(-len(d) // 512) * 512 for n, d in members)
 
 
 def _file_bytes(member_bytes: int) -> int:
@@ -110,8 +110,7 @@ def _file_bytes(member_bytes: int) -> int:
     return -(-(member_bytes + 1024) // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
 
-def write_shards(samples: Iterable[dict], pattern: str, maxcount: int,
-                 maxsize: Optional[int] = None) -> list[str]:
+def write_shards(samples: Iterable[dict], pattern: str, maxcount: int, maxsize: Optional[int] = None) -> list[str]:
     """Write samples {id, prompt, answer, meta, media: [(kind, member, bytes)]} to
     tar shards named by `pattern` (printf-style, e.g. dir/name-%06d.tar), at most
     `maxcount` samples and (if given) `maxsize` bytes per shard; a single sample
@@ -198,12 +197,14 @@ def _publish(tmp_names: list[str]) -> list[str]:
             try:
                 os.link(t, final)
             except FileExistsError:
-                raise FileExistsError(errno.EEXIST, "a shard of this name already exists; not replaced",
-                                      final) from None
+                raise FileExistsError(
+                    errno.EEXIST, "a shard of this name already exists; not replaced", final
+                ) from None
             except OSError:
                 if os.path.lexists(final):
-                    raise FileExistsError(errno.EEXIST, "a shard of this name already exists; not replaced",
-                                          final) from None
+                    raise FileExistsError(
+                        errno.EEXIST, "a shard of this name already exists; not replaced", final
+                    ) from None
                 os.rename(t, final)
             done.append(final)
     except BaseException:
@@ -231,8 +232,10 @@ def check_pattern(pattern: str) -> None:
         except (TypeError, ValueError):
             ok = False
     if not ok:
-        raise ValueError(f"shard pattern {pattern!r} needs one printf number field, an integer one (%d, %06d, "
-                         f"%x, ...), in its file name and no other %, e.g. 'dir/name-%06d.tar'")
+        raise ValueError(
+            f"shard pattern {pattern!r} needs one printf number field, an integer one (%d, %06d, "
+            f"%x, ...), in its file name and no other %, e.g. 'dir/name-%06d.tar'"
+        )
 
 
 def existing_shards(pattern: str) -> list[str]:
@@ -319,8 +322,7 @@ def _end_fault(fh: BinaryIO, offset: int) -> Optional[str]:
     if tail == bytes(2 * tarfile.BLOCKSIZE):
         return None
     if not tail.strip(b"\0"):
-        return (f"ends at byte {offset + len(tail)} without the two zero blocks that end a tar archive "
-                f"(cut short?)")
+        return f"ends at byte {offset + len(tail)} without the two zero blocks that end a tar archive (cut short?)"
     return f"has a damaged tar header at byte {offset}"
 
 
@@ -376,8 +378,12 @@ def scan_shard(path: str, max_member_bytes: int = MAX_MEMBER_BYTES) -> Iterator[
                 if ref is not None:
                     yield ref
                 if key in seen:
-                    raise ShardError(path, "reappears after other samples (members of a sample must be "
-                                           "consecutive)", key=key, member=ti.name)
+                    raise ShardError(
+                        path,
+                        "reappears after other samples (members of a sample must be consecutive)",
+                        key=key,
+                        member=ti.name,
+                    )
                 seen.add(key)
                 ref = SampleRef(path, key)
             if ext in ref.members:
@@ -425,8 +431,13 @@ def _header_problem(h) -> Optional[str]:
     if not isinstance(h.get("media", []), list):
         return "field media is not a list"
     for m in h.get("media", []):
-        if not (isinstance(m, dict) and m.get("kind") in KINDS and isinstance(m.get("member"), str)
-                and isinstance(m.get("sha256"), str) and _SHA256.fullmatch(m["sha256"])):
+        if not (
+            isinstance(m, dict)
+            and m.get("kind") in KINDS
+            and isinstance(m.get("member"), str)
+            and isinstance(m.get("sha256"), str)
+            and _SHA256.fullmatch(m["sha256"])
+        ):
             return f"has a bad media entry {m!r} (want {{kind, member, sha256}})"
     return None
 

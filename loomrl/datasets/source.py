@@ -9,6 +9,7 @@ counted (`skipped`, kept in the checkpointed state), never silently lost; the
 position moves past it, so a resumed run does not meet it again. A whole epoch
 without one usable sample is an error, not an endless loop.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,9 +17,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
+from loomrl.config import RecipeError
 from loomrl.datasets.stream import ShardStream
 from loomrl.encoders.media import Medium, data_error, load_medium
-from loomrl.config import RecipeError
 from loomrl.platform.backbone.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PromptSample:
-    record: dict            # id, prompt, answer, meta (what rewards see)
-    ids: list[int]          # prompt token ids, markers expanded
+    record: dict  # id, prompt, answer, meta (what rewards see)
+    ids: list[int]  # prompt token ids, markers expanded
     media: list[Medium]
 
     @property
@@ -36,8 +37,15 @@ class PromptSample:
 
 
 class PromptSource:
-    def __init__(self, stream: ShardStream, model, tokenizer, cfg: ModelConfig, media_cache: int = 4096,
-                 render: Optional[Callable[[str], str]] = None):
+    def __init__(
+        self,
+        stream: ShardStream,
+        model,
+        tokenizer,
+        cfg: ModelConfig,
+        media_cache: int = 4096,
+        render: Optional[Callable[[str], str]] = None,
+    ):
         """render: the prompt text -> the model's input text (a chat template); None: as written."""
         self.stream = stream
         self.render = render
@@ -104,8 +112,10 @@ class PromptSource:
                 self._bad_since = epoch
             elif epoch >= self._bad_since + 2:  # every sample of epoch _bad_since + 1 was skipped
                 where, why = self.skipped[-1]
-                raise RecipeError(f"data.shards: no usable sample in a whole epoch of {len(self.stream.files)} "
-                                  f"shard(s): every one was skipped (the last: {where}: {why})")
+                raise RecipeError(
+                    f"data.shards: no usable sample in a whole epoch of {len(self.stream.files)} "
+                    f"shard(s): every one was skipped (the last: {where}: {why})"
+                )
         self.served += len(out)
         return out
 

@@ -32,6 +32,7 @@ samples, or a path that is not a regular file (a FIFO is never opened), is one
 such record. That record takes a place in the order like a sample (one rank,
 one worker).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -86,9 +87,17 @@ class ShardStream(torch.utils.data.IterableDataset):
     training loop consumed. Either goes into a checkpoint as is (JSON) and
     comes back through `load_state`."""
 
-    def __init__(self, shards: Union[str, list[str]], *, shuffle_buffer: int = 1000, seed: int = 0,
-                 rank: Optional[int] = None, world_size: Optional[int] = None, epochs: Optional[int] = None,
-                 max_member_bytes: int = MAX_MEMBER_BYTES):
+    def __init__(
+        self,
+        shards: Union[str, list[str]],
+        *,
+        shuffle_buffer: int = 1000,
+        seed: int = 0,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        epochs: Optional[int] = None,
+        max_member_bytes: int = MAX_MEMBER_BYTES,
+    ):
         from loomrl.config.patterns import expand_pattern
 
         self.files = expand_pattern(shards) if isinstance(shards, str) else sorted(shards)
@@ -109,8 +118,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def fingerprint(self) -> str:
         """What the order depends on; a saved position only fits the same fingerprint."""
-        what = [[os.path.basename(f) for f in self.files], self.seed, self.shuffle_buffer,
-                self.rank, self.world_size]
+        what = [[os.path.basename(f) for f in self.files], self.seed, self.shuffle_buffer, self.rank, self.world_size]
         return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
     def state(self) -> dict:
@@ -125,9 +133,11 @@ class ShardStream(torch.utils.data.IterableDataset):
     def load_state(self, state: dict) -> None:
         """Continue from a saved position: the next sample is the first one not yet seen."""
         if state.get("fingerprint") != self.fingerprint():
-            raise ValueError("saved data position does not fit these shards/settings (files, seed, "
-                             "shuffle_buffer, rank, world_size differ): "
-                             f"{state.get('fingerprint')} != {self.fingerprint()}")
+            raise ValueError(
+                "saved data position does not fit these shards/settings (files, seed, "
+                "shuffle_buffer, rank, world_size differ): "
+                f"{state.get('fingerprint')} != {self.fingerprint()}"
+            )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
     # ------------------------------------------------------------------ order
@@ -192,8 +202,9 @@ class ShardStream(torch.utils.data.IterableDataset):
                     self.epoch, self.index = epoch, index
                     yield record
                 if index == 0 and start == 0:
-                    raise ValueError(f"rank {self.rank} of {self.world_size} has no samples in "
-                                     f"{len(self.files)} shard(s)")
+                    raise ValueError(
+                        f"rank {self.rank} of {self.world_size} has no samples in {len(self.files)} shard(s)"
+                    )
                 epoch, start = epoch + 1, 0
                 self.epoch, self.index = epoch, 0
         finally:

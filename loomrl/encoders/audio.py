@@ -6,6 +6,7 @@ Slaney mel filters, power spectrum, log10 clamped at 1e-10, floored at
 are padded with zeros or cut to `clip_seconds`, which fixes the encoder's
 position count (2 mel frames per conv output, then a 2x average pool).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,8 +30,15 @@ def num_audio_tokens(cfg: AudioConfig) -> int:
 
 def preprocess_settings(cfg: AudioConfig) -> dict:
     """Everything that decides a clip's log-mel features: part of its encoding-cache key."""
-    return {"kind": "audio", "sample_rate": cfg.sample_rate, "num_mel_bins": cfg.num_mel_bins,
-            "frames": num_frames(cfg), "n_fft": N_FFT, "hop": HOP, "log_mel": "whisper"}
+    return {
+        "kind": "audio",
+        "sample_rate": cfg.sample_rate,
+        "num_mel_bins": cfg.num_mel_bins,
+        "frames": num_frames(cfg),
+        "n_fft": N_FFT,
+        "hop": HOP,
+        "log_mel": "whisper",
+    }
 
 
 _MEL: dict[tuple[int, int], torch.nn.Module] = {}
@@ -43,8 +51,16 @@ def log_mel(wave: np.ndarray | torch.Tensor, cfg: AudioConfig) -> torch.Tensor:
     key = (cfg.sample_rate, cfg.num_mel_bins)
     if key not in _MEL:
         _MEL[key] = torchaudio.transforms.MelSpectrogram(
-            sample_rate=cfg.sample_rate, n_fft=N_FFT, hop_length=HOP, n_mels=cfg.num_mel_bins,
-            mel_scale="slaney", norm="slaney", power=2.0, center=True, pad_mode="reflect")
+            sample_rate=cfg.sample_rate,
+            n_fft=N_FFT,
+            hop_length=HOP,
+            n_mels=cfg.num_mel_bins,
+            mel_scale="slaney",
+            norm="slaney",
+            power=2.0,
+            center=True,
+            pad_mode="reflect",
+        )
     wave = torch.as_tensor(wave, dtype=torch.float32).flatten()
     n = num_frames(cfg) * HOP
     wave = torch.nn.functional.pad(wave[:n], (0, max(0, n - wave.numel())))
@@ -59,9 +75,13 @@ def build_audio_tower(cfg: AudioConfig, init_std: float):
     from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 
     hf = Qwen2AudioEncoderConfig(
-        d_model=cfg.d_model, encoder_layers=cfg.layers, encoder_attention_heads=cfg.num_heads,
-        encoder_ffn_dim=cfg.ffn_dim, num_mel_bins=cfg.num_mel_bins,
-        max_source_positions=num_frames(cfg) // 2, init_std=init_std,
+        d_model=cfg.d_model,
+        encoder_layers=cfg.layers,
+        encoder_attention_heads=cfg.num_heads,
+        encoder_ffn_dim=cfg.ffn_dim,
+        num_mel_bins=cfg.num_mel_bins,
+        max_source_positions=num_frames(cfg) // 2,
+        init_std=init_std,
     )
     hf._attn_implementation = "sdpa"
     tower = Qwen2AudioEncoder._from_config(hf)

@@ -18,6 +18,7 @@ the encoder parameter gradients of the two paths are compared as a check. The
 whole mini-batch (towers + backbone + GRPO loss, the training engine's path) is
 timed too. Repeats alternate naive and dedup; medians are reported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ def build_mini_batch(model, tokenizer, groups: int, n: int, micro_batch_size: in
         ids = model.prompt_ids(tokenizer, rec["prompt"], media)
         answer = tokenizer(rec["answer"], add_special_tokens=False)["input_ids"] + [model.eos_token_id]
         for _ in range(n):
-            trajs.append(Trajectory(rec["id"], g, ids, answer, media, [0.0] * len(answer), 0.0, 0,
-                                    advantage=rng.gauss(0.0, 1.0)))
+            trajs.append(
+                Trajectory(rec["id"], g, ids, answer, media, [0.0] * len(answer), 0.0, 0, advantage=rng.gauss(0.0, 1.0))
+            )
     return micro_batches(trajs, model.pad_token_id, micro_batch_size, device=model.device)
 
 
@@ -107,11 +109,11 @@ def train_pass(model, engine, mbs: list, loss_factory, dedup: bool) -> float:
 
 
 def run(groups: int, n: int, micro_batch_size: int, repeats: int, seed: int) -> dict:
+    from loomrl.platform.algorithms.losses import policy_loss_fn
     from loomrl.platform.backbone.tokenizer import load_tokenizer
     from loomrl.platform.backbone.vlm import build_policy
     from loomrl.platform.engines.torch_engine import TorchTrainEngine
     from loomrl.platform.recipe import ModelConfig, Recipe, TrainingConfig
-    from loomrl.platform.algorithms.losses import policy_loss_fn
 
     tokenizer = load_tokenizer("demo")
     model = build_policy(ModelConfig(), tokenizer, seed)
@@ -119,8 +121,10 @@ def run(groups: int, n: int, micro_batch_size: int, repeats: int, seed: int) -> 
     placements: list[Medium] = [m for mb in mbs for row in mb.media for m in row]
     unique = {m.key: m for m in placements}
     gen = torch.Generator().manual_seed(seed)
-    cotangents = [[torch.randn(model.media_tokens(m), model.cfg.hidden_size, generator=gen)
-                   for row in mb.media for m in row] for mb in mbs]
+    cotangents = [
+        [torch.randn(model.media_tokens(m), model.cfg.hidden_size, generator=gen) for row in mb.media for m in row]
+        for mb in mbs
+    ]
     counts = count_tower_inputs(model)
 
     calls, grads, enc_times, grad_diff = {}, {}, {"naive": [], "dedup": []}, 0.0
@@ -134,8 +138,9 @@ def run(groups: int, n: int, micro_batch_size: int, repeats: int, seed: int) -> 
             if rep:
                 enc_times[path].append((fwd, bwd))
         scale = max(float(g.abs().max()) for g in grads["naive"].values())
-        grad_diff = max(grad_diff, max(float((grads["naive"][k] - grads["dedup"][k]).abs().max())
-                                       for k in grads["naive"]) / scale)
+        grad_diff = max(
+            grad_diff, max(float((grads["naive"][k] - grads["dedup"][k]).abs().max()) for k in grads["naive"]) / scale
+        )
 
     # lr 0: every repeat trains the same weights
     engine = TorchTrainEngine(model, TrainingConfig(lr=0.0))
@@ -151,17 +156,27 @@ def run(groups: int, n: int, micro_batch_size: int, repeats: int, seed: int) -> 
         return statistics.median(values)
 
     result = {
-        "groups": groups, "n": n, "micro_batch_size": micro_batch_size, "micro_batches": len(mbs),
-        "samples": sum(len(mb.media) for mb in mbs), "repeats": repeats,
-        "media_total": len(placements), "media_unique": len(unique),
+        "groups": groups,
+        "n": n,
+        "micro_batch_size": micro_batch_size,
+        "micro_batches": len(mbs),
+        "samples": sum(len(mb.media) for mb in mbs),
+        "repeats": repeats,
+        "media_total": len(placements),
+        "media_unique": len(unique),
         "images_unique": sum(m.kind == "image" for m in unique.values()),
         "audio_unique": sum(m.kind == "audio" for m in unique.values()),
-        "calls_naive": calls["naive"], "calls_dedup": calls["dedup"],
+        "calls_naive": calls["naive"],
+        "calls_dedup": calls["dedup"],
         "calls_ratio": calls["naive"] / max(1, calls["dedup"]),
-        "bytes_naive": sum(m.nbytes for m in placements), "bytes_dedup": sum(m.nbytes for m in unique.values()),
-        "encoder_fwd_s_naive": median("naive", 0), "encoder_fwd_s_dedup": median("dedup", 0),
-        "encoder_bwd_s_naive": median("naive", 1), "encoder_bwd_s_dedup": median("dedup", 1),
-        "encoder_s_naive": median("naive"), "encoder_s_dedup": median("dedup"),
+        "bytes_naive": sum(m.nbytes for m in placements),
+        "bytes_dedup": sum(m.nbytes for m in unique.values()),
+        "encoder_fwd_s_naive": median("naive", 0),
+        "encoder_fwd_s_dedup": median("dedup", 0),
+        "encoder_bwd_s_naive": median("naive", 1),
+        "encoder_bwd_s_dedup": median("dedup", 1),
+        "encoder_s_naive": median("naive"),
+        "encoder_s_dedup": median("dedup"),
         "train_s_naive": statistics.median(train_times["naive"]),
         "train_s_dedup": statistics.median(train_times["dedup"]),
         "encoder_grad_max_rel_diff": grad_diff,
@@ -179,17 +194,37 @@ def table(r: dict) -> str:
     ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
     mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
     rows = [
-        ("encoder calls (media through a tower)", str(r["calls_naive"]), str(r["calls_dedup"]),
-         f"{r['calls_ratio']:.2f}x"),
+        (
+            "encoder calls (media through a tower)",
+            str(r["calls_naive"]),
+            str(r["calls_dedup"]),
+            f"{r['calls_ratio']:.2f}x",
+        ),
         ("feature bytes moved to the towers", mb(r["bytes_naive"]), mb(r["bytes_dedup"]), f"{r['bytes_ratio']:.2f}x"),
-        ("encoder forward (ms)", ms(r["encoder_fwd_s_naive"]), ms(r["encoder_fwd_s_dedup"]),
-         f"{r['encoder_fwd_s_naive'] / r['encoder_fwd_s_dedup']:.2f}x"),
-        ("encoder backward (ms)", ms(r["encoder_bwd_s_naive"]), ms(r["encoder_bwd_s_dedup"]),
-         f"{r['encoder_bwd_s_naive'] / r['encoder_bwd_s_dedup']:.2f}x"),
-        ("encoder forward+backward (ms)", ms(r["encoder_s_naive"]), ms(r["encoder_s_dedup"]),
-         f"{r['encoder_speedup']:.2f}x"),
-        ("mini-batch train step, all model (ms)", ms(r["train_s_naive"]), ms(r["train_s_dedup"]),
-         f"{r['train_speedup']:.2f}x"),
+        (
+            "encoder forward (ms)",
+            ms(r["encoder_fwd_s_naive"]),
+            ms(r["encoder_fwd_s_dedup"]),
+            f"{r['encoder_fwd_s_naive'] / r['encoder_fwd_s_dedup']:.2f}x",
+        ),
+        (
+            "encoder backward (ms)",
+            ms(r["encoder_bwd_s_naive"]),
+            ms(r["encoder_bwd_s_dedup"]),
+            f"{r['encoder_bwd_s_naive'] / r['encoder_bwd_s_dedup']:.2f}x",
+        ),
+        (
+            "encoder forward+backward (ms)",
+            ms(r["encoder_s_naive"]),
+            ms(r["encoder_s_dedup"]),
+            f"{r['encoder_speedup']:.2f}x",
+        ),
+        (
+            "mini-batch train step, all model (ms)",
+            ms(r["train_s_naive"]),
+            ms(r["train_s_dedup"]),
+            f"{r['train_speedup']:.2f}x",
+        ),
     ]
     w = max(len(x[0]) for x in rows)
     lines = [
@@ -209,11 +244,16 @@ def table(r: dict) -> str:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="loomrl bench encoders", description=__doc__.split("\n\n")[0])
-    p.add_argument("--groups", type=int, default=32,
-                   help="prompts (GRPO groups) in the mini-batch (default 32, the demo's prompts_per_step)")
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=32,
+        help="prompts (GRPO groups) in the mini-batch (default 32, the demo's prompts_per_step)",
+    )
     p.add_argument("--n", type=int, default=8, help="samples per group (default 8, the demo's rollout.n)")
-    p.add_argument("--micro-batch", type=int, default=64,
-                   help="samples per micro-batch (default 64, the demo's micro_batch_size)")
+    p.add_argument(
+        "--micro-batch", type=int, default=64, help="samples per micro-batch (default 64, the demo's micro_batch_size)"
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per path (default 5)")
     p.add_argument("--seed", type=int, default=0)
     # The demo towers are tiny: extra intra-op threads add little but make timings on a

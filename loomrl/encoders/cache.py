@@ -23,6 +23,7 @@ mini-batch of G groups of n samples holds each medium n times. Three pieces:
   incoming gradient, so the encoder parameters get exactly the gradient of
   encoding every copy separately (up to float summation order).
 """
+
 from __future__ import annotations
 
 import time
@@ -34,9 +35,9 @@ import torch
 
 from loomrl.encoders.media import Medium
 
-MediaKey = tuple[str, str]              # Medium.key: (content hash, preprocessing fingerprint)
+MediaKey = tuple[str, str]  # Medium.key: (content hash, preprocessing fingerprint)
 Encodings = dict[MediaKey, torch.Tensor]
-TowerFn = Callable[[list[Medium]], list[torch.Tensor]]   # distinct media -> one tower output each
+TowerFn = Callable[[list[Medium]], list[torch.Tensor]]  # distinct media -> one tower output each
 CacheKeyFn = Callable[[Medium], tuple[Hashable, Hashable]]  # medium -> (cache key, encoder weights version)
 
 
@@ -44,12 +45,12 @@ CacheKeyFn = Callable[[Medium], tuple[Hashable, Hashable]]  # medium -> (cache k
 class EncodeStats:
     """Encoder work of one or more requests; fields add up across requests."""
 
-    media_total: int = 0     # media placements asked for (one per sample that uses a medium)
-    media_unique: int = 0    # distinct media among them
-    calls: int = 0           # media actually run through a tower (cache hits excluded)
-    bytes_moved: int = 0     # feature bytes fed to the towers
-    bytes_naive: int = 0     # feature bytes had every placement been encoded
-    forward_s: float = 0.0   # tower forward time
+    media_total: int = 0  # media placements asked for (one per sample that uses a medium)
+    media_unique: int = 0  # distinct media among them
+    calls: int = 0  # media actually run through a tower (cache hits excluded)
+    bytes_moved: int = 0  # feature bytes fed to the towers
+    bytes_naive: int = 0  # feature bytes had every placement been encoded
+    forward_s: float = 0.0  # tower forward time
     backward_s: float = 0.0  # the one encoder backward per mini-batch (SharedEncodings)
     cache_hits: int = 0
     cache_misses: int = 0
@@ -119,8 +120,9 @@ class EncodingCache:
         return EncodingCache(self.capacity)
 
 
-def encode_distinct(media: list[Medium], towers: TowerFn, cache: Optional[EncodingCache] = None,
-                    cache_key: Optional[CacheKeyFn] = None) -> tuple[Encodings, EncodeStats]:
+def encode_distinct(
+    media: list[Medium], towers: TowerFn, cache: Optional[EncodingCache] = None, cache_key: Optional[CacheKeyFn] = None
+) -> tuple[Encodings, EncodeStats]:
     """One tower output per distinct medium of `media`, keyed by Medium.key.
 
     Each distinct medium is run through the towers at most once (all misses in one
@@ -159,9 +161,14 @@ def encode_every_copy(media: list[Medium], towers: TowerFn) -> tuple[list[torch.
     start = time.perf_counter()
     encoded = towers(media) if media else []
     nbytes = sum(m.nbytes for m in media)
-    return encoded, EncodeStats(media_total=len(media), media_unique=len({m.key for m in media}),
-                                calls=len(media), bytes_moved=nbytes, bytes_naive=nbytes,
-                                forward_s=time.perf_counter() - start)
+    return encoded, EncodeStats(
+        media_total=len(media),
+        media_unique=len({m.key for m in media}),
+        calls=len(media),
+        bytes_moved=nbytes,
+        bytes_naive=nbytes,
+        forward_s=time.perf_counter() - start,
+    )
 
 
 class SharedEncodings:

@@ -1,5 +1,6 @@
 """Settings of the vision and audio towers and of the encoding cache (`model.vision`, `model.audio`,
 `model.encoders`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -11,6 +11,7 @@ Qwen2.5-VL a vision tower, Qwen2-Audio an audio tower + projector, Qwen2 none. A
 started from it builds exactly those (`vision_tower_of` / `audio_tower_of`, from config.json,
 the checkpoint's own classes), so it has the checkpoint's parameters and no others.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,11 @@ AUDIO_PREFIXES = ("audio_tower.", "model.audio_tower.")
 PROJECTOR_PREFIXES = ("multi_modal_projector.linear.", "model.multi_modal_projector.linear.")
 # model_type -> the media its towers read ("image": vision tower, "audio": audio tower + projector)
 CHECKPOINT_TOWERS: dict[str, tuple[str, ...]] = {
-    "qwen2": (), "qwen2_vl": ("image",), "qwen2_5_vl": ("image",), "qwen2_audio": ("audio",)}
+    "qwen2": (),
+    "qwen2_vl": ("image",),
+    "qwen2_5_vl": ("image",),
+    "qwen2_audio": ("audio",),
+}
 # model_type -> the vision_config model types its tower class builds (transformers 5 writes the
 # second; older configs may carry the first or none)
 VISION_KINDS = {"qwen2_vl": ("qwen2_vl", "qwen2_vl_vision"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_vision")}
@@ -71,14 +76,15 @@ def read_tensors(folder: str | Path, prefixes: tuple[str, ...]) -> dict[str, tor
             with safe_open(str(f), framework="pt") as st:
                 for k in st.keys():
                     if k.startswith(prefix):
-                        out[k[len(prefix):]] = st.get_tensor(k)
+                        out[k[len(prefix) :]] = st.get_tensor(k)
         if out:
             return out
     raise KeyError(f"{folder}: no tensors under any of {list(prefixes)}")
 
 
-def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], what: str,
-               dtype: Optional[torch.dtype]) -> nn.Module:
+def _load_into(
+    module: nn.Module, tensors: dict[str, torch.Tensor], what: str, dtype: Optional[torch.dtype]
+) -> nn.Module:
     missing, unexpected = module.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise ValueError(f"{what}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
@@ -91,8 +97,7 @@ def checkpoint_towers(hf_config: dict, where: str = "config.json") -> tuple[str,
     """The media a checkpoint's towers read, by its config.json: ("image",), ("audio",) or ()."""
     model_type = hf_config.get("model_type")
     if model_type not in CHECKPOINT_TOWERS:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: "
-                         f"{list(CHECKPOINT_TOWERS)})")
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(CHECKPOINT_TOWERS)})")
     return CHECKPOINT_TOWERS[model_type]
 
 
@@ -108,13 +113,14 @@ def _vision_spec(hf_config: dict, where: str) -> tuple[type, Any]:
             Qwen2_5_VisionTransformerPretrainedModel as Tower,
         )
     else:
-        raise ValueError(f"{where}: model_type {model_type!r} has no supported vision tower "
-                         "(qwen2_vl, qwen2_5_vl)")
+        raise ValueError(f"{where}: model_type {model_type!r} has no supported vision tower (qwen2_vl, qwen2_5_vl)")
     vision = hf_config.get("vision_config") or {}
     kind = vision.get("model_type") if isinstance(vision, dict) else None
     if kind is not None and kind not in VISION_KINDS[model_type]:
-        raise ValueError(f"{where}: vision_config.model_type {kind!r}: loomrl builds the {model_type} vision "
-                         f"tower only ({', '.join(VISION_KINDS[model_type])})")
+        raise ValueError(
+            f"{where}: vision_config.model_type {kind!r}: loomrl builds the {model_type} vision "
+            f"tower only ({', '.join(VISION_KINDS[model_type])})"
+        )
     cfg = Config.from_dict(hf_config).vision_config
     cfg._attn_implementation = "sdpa"
     return Tower, cfg
@@ -130,8 +136,9 @@ def vision_tower_of(hf_config: dict, where: str = "config.json") -> nn.Module:
 def _audio_spec(hf_config: dict, where: str) -> tuple[Any, int]:
     """(the audio encoder's transformers config, the language model's width) of a Qwen2-Audio config.json."""
     if hf_config.get("model_type") != "qwen2_audio":
-        raise ValueError(f"{where}: model_type {hf_config.get('model_type')!r} has no supported audio tower "
-                         "(qwen2_audio)")
+        raise ValueError(
+            f"{where}: model_type {hf_config.get('model_type')!r} has no supported audio tower (qwen2_audio)"
+        )
     from transformers import Qwen2AudioConfig
 
     cfg = Qwen2AudioConfig.from_dict(hf_config)
@@ -163,8 +170,7 @@ def load_audio_tower(folder: str | Path, dtype: Optional[torch.dtype] = None) ->
     dtype: cast to this; None keeps the checkpoint's dtype."""
     tower, projector = audio_tower_of(read_config(folder), f"{folder}/config.json")
     tower = _load_into(tower, read_tensors(folder, AUDIO_PREFIXES), f"{folder}: audio tower", dtype)
-    projector = _load_into(projector, read_tensors(folder, PROJECTOR_PREFIXES), f"{folder}: audio projector",
-                           dtype)
+    projector = _load_into(projector, read_tensors(folder, PROJECTOR_PREFIXES), f"{folder}: audio projector", dtype)
     return tower, projector
 
 
@@ -174,8 +180,7 @@ def _is_built_as(module: Optional[nn.Module], cls: type, config) -> bool:
     return type(module) is cls and module.config.to_dict() == config.to_dict()
 
 
-def attach_towers(model, vision_folder: Optional[str | Path] = None,
-                  audio_folder: Optional[str | Path] = None) -> None:
+def attach_towers(model, vision_folder: Optional[str | Path] = None, audio_folder: Optional[str | Path] = None) -> None:
     """Put a checkpoint's vision tower and/or audio tower + projector into a VLM, after checking
     they fit the model's config (patching, mel bins, clip length, widths). A tower the model
     already has, built from the same config (`VLM` from model.init_from), is loaded in place;
@@ -185,23 +190,31 @@ def attach_towers(model, vision_folder: Optional[str | Path] = None,
     if vision_folder is not None:
         where = f"{vision_folder}/config.json"
         tower_cls, vision_cfg = _vision_spec(read_config(vision_folder), where)
-        tower = model.visual if _is_built_as(model.visual, tower_cls, vision_cfg) else tower_cls._from_config(vision_cfg)
+        tower = (
+            model.visual if _is_built_as(model.visual, tower_cls, vision_cfg) else tower_cls._from_config(vision_cfg)
+        )
         c, v = tower.config, cfg.vision
         have = (c.patch_size, c.temporal_patch_size, c.spatial_merge_size, tower.merger.mlp[-1].out_features)
         want = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size, cfg.hidden_size)
         if have != want:
-            raise ValueError(f"{vision_folder}: vision tower (patch, temporal patch, merge, out width) {have} "
-                             f"does not fit model.vision / model.hidden_size {want}")
-        model.visual = _load_into(tower, read_tensors(vision_folder, VISION_PREFIXES),
-                                  f"{vision_folder}: vision tower", dtype)
+            raise ValueError(
+                f"{vision_folder}: vision tower (patch, temporal patch, merge, out width) {have} "
+                f"does not fit model.vision / model.hidden_size {want}"
+            )
+        model.visual = _load_into(
+            tower, read_tensors(vision_folder, VISION_PREFIXES), f"{vision_folder}: vision tower", dtype
+        )
     if audio_folder is not None:
         from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 
         from loomrl.encoders.audio import num_frames
 
         audio_cfg, width = _audio_spec(read_config(audio_folder), f"{audio_folder}/config.json")
-        if _is_built_as(model.audio_tower, Qwen2AudioEncoder, audio_cfg) and model.audio_projector is not None \
-                and model.audio_projector.weight.shape == (width, audio_cfg.d_model):
+        if (
+            _is_built_as(model.audio_tower, Qwen2AudioEncoder, audio_cfg)
+            and model.audio_projector is not None
+            and model.audio_projector.weight.shape == (width, audio_cfg.d_model)
+        ):
             tower, projector = model.audio_tower, model.audio_projector
         else:
             tower, projector = Qwen2AudioEncoder._from_config(audio_cfg), nn.Linear(audio_cfg.d_model, width)
@@ -209,12 +222,16 @@ def attach_towers(model, vision_folder: Optional[str | Path] = None,
         have = (c.num_mel_bins, c.max_source_positions, c.d_model, projector.out_features)
         want = (a.num_mel_bins, num_frames(a) // 2, a.d_model, cfg.hidden_size)
         if have != want:
-            raise ValueError(f"{audio_folder}: audio tower (mel bins, positions, width, projector out) {have} "
-                             f"does not fit model.audio / model.hidden_size {want}")
-        model.audio_tower = _load_into(tower, read_tensors(audio_folder, AUDIO_PREFIXES),
-                                       f"{audio_folder}: audio tower", dtype)
-        model.audio_projector = _load_into(projector, read_tensors(audio_folder, PROJECTOR_PREFIXES),
-                                           f"{audio_folder}: audio projector", dtype)
+            raise ValueError(
+                f"{audio_folder}: audio tower (mel bins, positions, width, projector out) {have} "
+                f"does not fit model.audio / model.hidden_size {want}"
+            )
+        model.audio_tower = _load_into(
+            tower, read_tensors(audio_folder, AUDIO_PREFIXES), f"{audio_folder}: audio tower", dtype
+        )
+        model.audio_projector = _load_into(
+            projector, read_tensors(audio_folder, PROJECTOR_PREFIXES), f"{audio_folder}: audio projector", dtype
+        )
     # model.encoders.frozen (and parts frozen by name) on the new towers, which come in eval mode:
     # apply_frozen puts them back in the model's mode (eval for a tower frozen whole)
     model.apply_frozen()

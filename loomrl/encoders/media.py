@@ -1,5 +1,6 @@
 """A medium (image or audio clip) as the model consumes it: its content hash,
 the fingerprint of the preprocessing that made its features, and the features."""
+
 from __future__ import annotations
 
 import hashlib
@@ -20,11 +21,11 @@ from loomrl.platform.backbone.config import ModelConfig
 
 @dataclass
 class Medium:
-    kind: str                   # "image" or "audio"
-    hash: str                   # sha256 of the stored bytes (with prep: the encoding cache's key)
-    features: torch.Tensor      # image: patches [N, C*T*P*P]; audio: log-mel [mel, frames]
+    kind: str  # "image" or "audio"
+    hash: str  # sha256 of the stored bytes (with prep: the encoding cache's key)
+    features: torch.Tensor  # image: patches [N, C*T*P*P]; audio: log-mel [mel, frames]
     grid: Optional[torch.Tensor] = None  # image: grid_thw [3]
-    prep: str = ""              # fingerprint of the preprocessing settings (see settings_fingerprint)
+    prep: str = ""  # fingerprint of the preprocessing settings (see settings_fingerprint)
 
     @property
     def nbytes(self) -> int:
@@ -105,14 +106,17 @@ def read_audio(data: bytes, max_seconds: float = MAX_AUDIO_SECONDS) -> tuple[np.
         if rate <= 0:
             raise ValueError(f"clip has a sample rate of {rate} Hz")
         if frames >= _UNKNOWN_FRAMES:
-            raise AudioTooLong(f"clip's header does not give its length, so it could be over the limit of "
-                               f"{max_seconds:g} s; refused")
+            raise AudioTooLong(
+                f"clip's header does not give its length, so it could be over the limit of {max_seconds:g} s; refused"
+            )
         if frames > max_seconds * rate:
             raise AudioTooLong(f"clip of {frames / rate:.1f} s is over the limit of {max_seconds:g} s")
         budget = int(max_seconds * MAX_AUDIO_VALUES_PER_SECOND)
         if channels * frames > budget:
-            raise AudioTooLong(f"clip of {channels} channels at {rate} Hz is over the limit of {budget} decoded "
-                               f"values ({max_seconds:g} s of 8 channels at 48 kHz)")
+            raise AudioTooLong(
+                f"clip of {channels} channels at {rate} Hz is over the limit of {budget} decoded "
+                f"values ({max_seconds:g} s of 8 channels at 48 kHz)"
+            )
         return f.read(frames=frames, dtype="float32", always_2d=True), rate
 
 
@@ -125,8 +129,10 @@ def resample(wave: np.ndarray, rate: int, target: int) -> np.ndarray:
     o, n = rate // g, target // g
     width = math.ceil(6 * o / (min(o, n) * 0.99))  # torchaudio's defaults: lowpass_filter_width 6, rolloff 0.99
     if n * (2 * width + o) > MAX_RESAMPLE_KERNEL:
-        raise ValueError(f"a sample rate of {rate} Hz cannot be resampled to {target} Hz at a bounded cost (the "
-                         f"rates share only a factor of {g}); convert the clip to a common rate, e.g. 48000 Hz")
+        raise ValueError(
+            f"a sample rate of {rate} Hz cannot be resampled to {target} Hz at a bounded cost (the "
+            f"rates share only a factor of {g}); convert the clip to a common rate, e.g. 48000 Hz"
+        )
     import torchaudio.functional as AF
 
     return AF.resample(torch.from_numpy(np.ascontiguousarray(wave)), rate, target).numpy()
@@ -148,14 +154,12 @@ def load_medium(kind: str, data: bytes, cfg: ModelConfig) -> Medium:
         from loomrl.encoders.vision import preprocess_image, preprocess_settings
 
         patches, grid = preprocess_image(decode_image(data), cfg.vision)
-        return Medium("image", content_hash(data), patches, grid,
-                      settings_fingerprint(preprocess_settings(cfg.vision)))
+        return Medium("image", content_hash(data), patches, grid, settings_fingerprint(preprocess_settings(cfg.vision)))
     if kind == "audio":
         from loomrl.encoders.audio import log_mel, preprocess_settings
 
         # Clips are cut to clip_seconds; one over the readers' limit is refused before decoding.
         wave = decode_audio(data, cfg.audio.sample_rate, max(MAX_AUDIO_SECONDS, cfg.audio.clip_seconds))
         features = log_mel(wave, cfg.audio)
-        return Medium("audio", content_hash(data), features, None,
-                      settings_fingerprint(preprocess_settings(cfg.audio)))
+        return Medium("audio", content_hash(data), features, None, settings_fingerprint(preprocess_settings(cfg.audio)))
     raise ValueError(f"unknown medium kind {kind!r}")

@@ -6,6 +6,7 @@ sides are multiples of patch_size * merge_size (smart_resize), rescale to
 temporal patch, and flatten into patches ordered so the merger's 2x2 groups
 are contiguous. Returns (patches [N, C*T*P*P], grid_thw [3]).
 """
+
 from __future__ import annotations
 
 import math
@@ -39,10 +40,17 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 def preprocess_settings(cfg: VisionConfig) -> dict:
     """Everything that decides an image's patches: part of its encoding-cache key."""
-    return {"kind": "image", "patch_size": cfg.patch_size, "temporal_patch_size": cfg.temporal_patch_size,
-            "spatial_merge_size": cfg.spatial_merge_size, "min_pixels": cfg.min_pixels,
-            "max_pixels": cfg.max_pixels, "resample": "bicubic",
-            "mean": CLIP_MEAN.tolist(), "std": CLIP_STD.tolist()}
+    return {
+        "kind": "image",
+        "patch_size": cfg.patch_size,
+        "temporal_patch_size": cfg.temporal_patch_size,
+        "spatial_merge_size": cfg.spatial_merge_size,
+        "min_pixels": cfg.min_pixels,
+        "max_pixels": cfg.max_pixels,
+        "resample": "bicubic",
+        "mean": CLIP_MEAN.tolist(),
+        "std": CLIP_STD.tolist(),
+    }
 
 
 def preprocess_image(image: Image.Image, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +72,7 @@ def preprocess_image(image: Image.Image, cfg: VisionConfig) -> tuple[torch.Tenso
 
 
 def num_image_tokens(grid_thw: torch.Tensor, cfg: VisionConfig) -> int:
-    return int(grid_thw.prod()) // (cfg.spatial_merge_size ** 2)
+    return int(grid_thw.prod()) // (cfg.spatial_merge_size**2)
 
 
 def build_vision_tower(cfg: VisionConfig, out_dim: int, init_std: float):
@@ -73,9 +81,15 @@ def build_vision_tower(cfg: VisionConfig, out_dim: int, init_std: float):
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
     hf = Qwen2VLVisionConfig(
-        depth=cfg.depth, embed_dim=cfg.embed_dim, hidden_size=out_dim, num_heads=cfg.num_heads,
-        patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
-        spatial_merge_size=cfg.spatial_merge_size, initializer_range=init_std, in_channels=3,
+        depth=cfg.depth,
+        embed_dim=cfg.embed_dim,
+        hidden_size=out_dim,
+        num_heads=cfg.num_heads,
+        patch_size=cfg.patch_size,
+        temporal_patch_size=cfg.temporal_patch_size,
+        spatial_merge_size=cfg.spatial_merge_size,
+        initializer_range=init_std,
+        in_channels=3,
     )
     hf._attn_implementation = "sdpa"
     return Qwen2VisionTransformerPretrainedModel._from_config(hf)

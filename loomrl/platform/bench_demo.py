@@ -21,6 +21,7 @@ The JSON last line: {"recipe", "overrides", "cells": [{"seed", "threads", "capab
 "kernels" (what torch reported in the cell), "first", "last", "best", "goal_met", "wall_s"},
 ...], "median_last", "cells_met", "cells_total"}; exit 0 when every cell met the goal, else 3.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,18 @@ def _cells(seeds: list[int], threads: list[int], caps: list[str]) -> list[dict]:
 
 
 def _command(recipe: str, cell: dict, out: Path, overrides: list[str]) -> tuple[list[str], dict]:
-    cmd = [sys.executable, "-m", "loomrl.cli", "run", recipe, "--out", str(out), *overrides,
-           f"training.seed={cell['seed']}", f"training.threads={cell['threads']}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loomrl.cli",
+        "run",
+        recipe,
+        "--out",
+        str(out),
+        *overrides,
+        f"training.seed={cell['seed']}",
+        f"training.threads={cell['threads']}",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(cell["threads"]), PYTHONUNBUFFERED="1")
     env.pop("ATEN_CPU_CAPABILITY", None)
     if cell["capability"] != "default":
@@ -60,11 +71,23 @@ def _result(cell: dict, out: Path, rc: int, wall: float, first_n: int, last_n: i
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
-    res = dict(cell, rc=rc, wall_s=round(wall, 1), steps=len(rewards), goal_met=summary.get("goal_met"),
-               first=None, last=None, best=None, kernels=summary.get("machine", {}).get("cpu_capability"))
+    res = dict(
+        cell,
+        rc=rc,
+        wall_s=round(wall, 1),
+        steps=len(rewards),
+        goal_met=summary.get("goal_met"),
+        first=None,
+        last=None,
+        best=None,
+        kernels=summary.get("machine", {}).get("cpu_capability"),
+    )
     if rewards:
-        res.update(first=round(statistics.fmean(rewards[:first_n]), 4),
-                   last=round(statistics.fmean(rewards[-last_n:]), 4), best=round(max(rewards), 4))
+        res.update(
+            first=round(statistics.fmean(rewards[:first_n]), 4),
+            last=round(statistics.fmean(rewards[-last_n:]), 4),
+            best=round(max(rewards), 4),
+        )
     return res
 
 
@@ -79,8 +102,9 @@ def _prepare(recipe: str, overrides: list[str]) -> tuple[int, int]:
     return (loaded.goal.first_steps, loaded.goal.last_steps) if loaded.goal is not None else (5, 10)
 
 
-def run_grid(recipe: str, cells: list[dict], overrides: list[str], workdir: Path, cores: int,
-             first_n: int, last_n: int) -> list[dict]:
+def run_grid(
+    recipe: str, cells: list[dict], overrides: list[str], workdir: Path, cores: int, first_n: int, last_n: int
+) -> list[dict]:
     """Run every cell (as many at once as fit `cores` by their threads); their results in order."""
     todo = list(enumerate(cells))
     running: list[tuple[int, subprocess.Popen, Path, float, object]] = []
@@ -92,8 +116,15 @@ def run_grid(recipe: str, cells: list[dict], overrides: list[str], workdir: Path
             out = workdir / f"seed{cell['seed']}-t{cell['threads']}-{cell['capability']}"
             cmd, env = _command(recipe, cell, out, overrides)
             logf = open(workdir / f"{out.name}.log", "w")
-            running.append((i, subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT),
-                            out, time.perf_counter(), logf))
+            running.append(
+                (
+                    i,
+                    subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT),
+                    out,
+                    time.perf_counter(),
+                    logf,
+                )
+            )
             busy += cell["threads"]
         time.sleep(0.5)
         for item in list(running):
@@ -104,20 +135,30 @@ def run_grid(recipe: str, cells: list[dict], overrides: list[str], workdir: Path
             running.remove(item)
             results[i] = _result(cells[i], out, proc.returncode, time.perf_counter() - t0, first_n, last_n)
             r = results[i]
-            log.info("[bench demo] seed %d threads %d %-7s  %s -> %s  goal %s  %.0f s", r["seed"], r["threads"],
-                     r["capability"], r["first"], r["last"], {True: "MET", False: "NOT MET"}.get(r["goal_met"],
-                                                                                           f"rc {r['rc']}"),
-                     r["wall_s"])
+            log.info(
+                "[bench demo] seed %d threads %d %-7s  %s -> %s  goal %s  %.0f s",
+                r["seed"],
+                r["threads"],
+                r["capability"],
+                r["first"],
+                r["last"],
+                {True: "MET", False: "NOT MET"}.get(r["goal_met"], f"rc {r['rc']}"),
+                r["wall_s"],
+            )
     return [results[i] for i in range(len(cells))]
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| seed | threads | CPU kernels | reward first -> last | best | goal | run s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| seed | threads | CPU kernels | reward first -> last | best | goal | run s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         goal = {True: "met", False: "NOT MET"}.get(r["goal_met"], f"failed (exit {r['rc']})")
-        lines.append(f"| {r['seed']} | {r['threads']} | {r['kernels'] or r['capability']} | {r['first']} -> {r['last']} | "
-                     f"{r['best']} | {goal} | {r['wall_s']:.0f} |")
+        lines.append(
+            f"| {r['seed']} | {r['threads']} | {r['kernels'] or r['capability']} | {r['first']} -> {r['last']} | "
+            f"{r['best']} | {goal} | {r['wall_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -131,10 +172,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--recipe", default="recipes/demo.yaml")
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--capabilities", default="default,avx2",
-                    help="comma-separated: default (this CPU's) and/or ATEN_CPU_CAPABILITY values (avx2, ...)")
-    ap.add_argument("--jobs-cores", type=int, default=os.cpu_count() or 1,
-                    help="cores the cells may use at once (a cell takes its thread count); 1 runs them one by one")
+    ap.add_argument(
+        "--capabilities",
+        default="default,avx2",
+        help="comma-separated: default (this CPU's) and/or ATEN_CPU_CAPABILITY values (avx2, ...)",
+    )
+    ap.add_argument(
+        "--jobs-cores",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="cores the cells may use at once (a cell takes its thread count); 1 runs them one by one",
+    )
     ap.add_argument("--out", help="keep the cells' run folders here (default: a temporary folder)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line last")
     args = ap.parse_args(argv)
@@ -158,6 +206,16 @@ def main(argv: list[str]) -> int:
     print(table(results))
     print(f"\n{met} of {len(results)} cells met the goal; median reward over the last steps {median}")
     if args.json:
-        print(json.dumps({"recipe": args.recipe, "overrides": args.overrides, "cells": results,
-                          "median_last": median, "cells_met": met, "cells_total": len(results)}))
+        print(
+            json.dumps(
+                {
+                    "recipe": args.recipe,
+                    "overrides": args.overrides,
+                    "cells": results,
+                    "median_last": median,
+                    "cells_met": met,
+                    "cells_total": len(results),
+                }
+            )
+        )
     return 0 if met == len(results) else 3

@@ -7,6 +7,7 @@ checkpoint (a file missing, damaged, or vouched for by a rewritten manifest but
 unreadable) is a ValueError naming the file. A policy with LoRA adapters also gets
 `adapter.safetensors`: the `*.lora_A` / `*.lora_B` tensors alone, under the policy's names (a
 copy, for sharing adapters; loading reads model.safetensors, which holds base and adapters)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,11 @@ STEP_NAME = re.compile(r"step-(\d{6,})")
 
 def checkpoint_folders(root: Path) -> list[Path]:
     """The `step-NNNNNN` folders under root, oldest (lowest step) first."""
-    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
-             if (m := STEP_NAME.fullmatch(p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p)
+        for p in (root.iterdir() if root.is_dir() else ())
+        if (m := STEP_NAME.fullmatch(p.name)) and p.is_dir()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -52,8 +56,15 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(root: Path, step: int, model: torch.nn.Module, engine_state: dict,
-                    state: dict, keep_last: int, extra_models: dict | None = None) -> Path:
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    engine_state: dict,
+    state: dict,
+    keep_last: int,
+    extra_models: dict | None = None,
+) -> Path:
     """Write step-N/ atomically; extra_models: {name: module} saved as name.safetensors."""
     from loomrl.platform.faults import maybe_die
 
@@ -108,8 +119,9 @@ def _load_weights(file: Path, model: torch.nn.Module) -> None:
     except RuntimeError as e:  # names or shapes of another model
         raise ValueError(f"{file}: does not fit this model: {_cut(str(e))}") from None
     except Exception as e:  # noqa: BLE001 - safetensors' own errors: a truncated or damaged file
-        raise ValueError(f"{file}: not a readable safetensors file (truncated or damaged): "
-                         f"{type(e).__name__}: {_cut(str(e))}") from None
+        raise ValueError(
+            f"{file}: not a readable safetensors file (truncated or damaged): {type(e).__name__}: {_cut(str(e))}"
+        ) from None
 
 
 def _read_json(file: Path) -> Any:
@@ -148,8 +160,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     try:
         engine_state = torch.load(optimizer, weights_only=True)
     except pickle.UnpicklingError:  # torch's text suggests weights_only=False: never, for a checkpoint
-        raise ValueError(f"{optimizer}: holds pickled objects other than tensors and plain containers; "
-                         f"refused (a checkpoint is never unpickled)") from None
+        raise ValueError(
+            f"{optimizer}: holds pickled objects other than tensors and plain containers; "
+            f"refused (a checkpoint is never unpickled)"
+        ) from None
     except Exception as e:  # noqa: BLE001 - a truncated or damaged zip, not a torch file at all
         raise ValueError(f"{optimizer}: not a readable torch file: {type(e).__name__}: {_cut(str(e))}") from None
     if not isinstance(engine_state, dict):
@@ -171,6 +185,7 @@ def _check_count(state: dict, key: str, file: Path) -> None:
 def check_run_state(state: dict, engine_state: dict, path: Path, critic: bool = False) -> None:
     """The keys and kinds a trainer's checkpoint holds (see Trainer.save): a ValueError naming
     state.json or optimizer.pt for anything missing or of another kind."""
+
     def fail(file: str, what: str) -> None:
         raise ValueError(f"{path / file}: {what}")
 

@@ -34,6 +34,7 @@ Resume: a checkpoint holds every worker's rollout-engine state and sampling gene
 sent back to the workers on `--resume`. Groups generated but not trained when the
 checkpoint was written are counted as dropped (`lost_at_resume`) in its books.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,7 @@ from loomrl.platform import faults
 from loomrl.platform import recipe as R
 from loomrl.platform.engines.launch import torchrun_command
 from loomrl.platform.trajectory.sources import WorkerDied
-from loomrl.platform.trajectory.transport import (MAX_MESSAGE_BYTES, Channel, MediaLedger, pack, unpack,
-                                                  unpack_media)
+from loomrl.platform.trajectory.transport import MAX_MESSAGE_BYTES, Channel, MediaLedger, pack, unpack, unpack_media
 
 EXIT_FILE = "exit_code"
 log = logging.getLogger("loomrl")
@@ -71,8 +71,9 @@ def launch(recipe: R.Recipe, cli_args: list[str], out: Path) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     try:
-        rc = subprocess.call(torchrun_command(nproc, [*cli_args, "--out", str(out)],
-                                              module="loomrl.platform.disaggregated"), env=env)
+        rc = subprocess.call(
+            torchrun_command(nproc, [*cli_args, "--out", str(out)], module="loomrl.platform.disaggregated"), env=env
+        )
     except KeyboardInterrupt:
         rc = 130
     code = out / EXIT_FILE
@@ -113,8 +114,9 @@ def rollout_role(recipe: R.Recipe, rank: int, ch: Channel, trainer: int = 0) -> 
             engine.update_weights(None, meta["version"])  # torch: shared module; vLLM: streamed
             continue
         if kind == "state":
-            ch.send(pack({"kind": "state", "rollout": engine.state_dict()}, {"generator": generator.get_state()}),
-                    trainer)
+            ch.send(
+                pack({"kind": "state", "rollout": engine.state_dict()}, {"generator": generator.get_state()}), trainer
+            )
             continue
         if kind == "load_state":
             engine.load_state_dict(meta["rollout"])
@@ -130,10 +132,19 @@ def rollout_role(recipe: R.Recipe, rank: int, ch: Channel, trainer: int = 0) -> 
             engine.observe(prompts[r.prompt_index].id, r.completion_ids)
         for i, j in enumerate(jobs):
             rows = [r for r in result.rollouts if r.prompt_index == i]
-            buf = pack({"kind": "result", "key": j["key"], "version": engine.version,
-                        "seconds": result.seconds / len(jobs), "seq_forwards": result.seq_forwards / len(jobs),
-                        "rollouts": [{"ids": r.completion_ids, "logp": r.logprobs, "finish": r.finish_reason}
-                                     for r in rows]}, {"bad": torch.zeros(3)} if corrupt else None)
+            buf = pack(
+                {
+                    "kind": "result",
+                    "key": j["key"],
+                    "version": engine.version,
+                    "seconds": result.seconds / len(jobs),
+                    "seq_forwards": result.seq_forwards / len(jobs),
+                    "rollouts": [
+                        {"ids": r.completion_ids, "logp": r.logprobs, "finish": r.finish_reason} for r in rows
+                    ],
+                },
+                {"bad": torch.zeros(3)} if corrupt else None,
+            )
             if corrupt:  # same header length: shape [3] -> [4]
                 corrupt = False
                 buf = pack_tampered(buf, b'"bad", "float32", [3]', b'"bad", "float32", [4]')
@@ -196,8 +207,17 @@ class WorkerSource:
             ch.receive_in_background(w)
 
     def reset_metrics(self) -> None:
-        self.m = {"waits": [], "idle": 0.0, "seconds": [], "tokens": 0, "seq_forwards": 0.0, "stop": 0, "n": 0,
-                  "bytes_dedup": 0, "bytes_naive": 0}
+        self.m = {
+            "waits": [],
+            "idle": 0.0,
+            "seconds": [],
+            "tokens": 0,
+            "seq_forwards": 0.0,
+            "stop": 0,
+            "n": 0,
+            "bytes_dedup": 0,
+            "bytes_naive": 0,
+        }
 
     # ------------------------------------------------------------------ messages
 
@@ -249,8 +269,13 @@ class WorkerSource:
         now = time.perf_counter()
         for i, (r, reward) in enumerate(zip(meta["rollouts"], rewards)):
             parts = {name: float(v[i]) for name, v in by_source.items()}
-            self.store.put(Trajectory(s.id, 0, s.ids, r["ids"], s.media, r["logp"], float(reward), meta["version"],
-                                      reward_parts=parts), job.key, now)
+            self.store.put(
+                Trajectory(
+                    s.id, 0, s.ids, r["ids"], s.media, r["logp"], float(reward), meta["version"], reward_parts=parts
+                ),
+                job.key,
+                now,
+            )
             self.m["tokens"] += len(r["ids"])
             self.m["stop"] += r.get("finish") == "stop"
             self.m["n"] += 1
@@ -260,8 +285,12 @@ class WorkerSource:
     def worker_died(self, w: int, why: str) -> None:
         jobs = self.disp.worker_died(w, why)
         self.live.remove(w)
-        log.error("[trainer] rollout worker rank %d died (%s); %d in-flight prompt(s) re-queued", self.names[w], why,
-                  len(jobs))
+        log.error(
+            "[trainer] rollout worker rank %d died (%s); %d in-flight prompt(s) re-queued",
+            self.names[w],
+            why,
+            len(jobs),
+        )
         if self.recipe.pipeline.on_worker_death == "stop" or not self.live:
             raise WorkerDied(f"rollout worker rank {self.names[w]} died ({why})")
 
@@ -345,11 +374,14 @@ class WorkerSource:
             "stop_rate": m["stop"] / max(1, m["n"]),
             "admission_wait_s": sum(m["waits"]) / max(1, len(m["waits"])),
             "trainer_idle_s": m["idle"],
-            "media_bytes_dedup": m["bytes_dedup"], "media_bytes_naive": m["bytes_naive"],
-            "transport_bytes_sent": self.ch.bytes_sent, "transport_bytes_received": self.ch.bytes_received,
+            "media_bytes_dedup": m["bytes_dedup"],
+            "media_bytes_naive": m["bytes_naive"],
+            "transport_bytes_sent": self.ch.bytes_sent,
+            "transport_bytes_received": self.ch.bytes_received,
             "media_bytes_sent_to_workers": self.ledger.bytes_sent,
             "media_bytes_naive_to_workers": self.ledger.bytes_naive,
-            "rollout_workers_live": len(self.live), "prompts_requeued": self.disp.requeue_count,
+            "rollout_workers_live": len(self.live),
+            "prompts_requeued": self.disp.requeue_count,
         }
         self.reset_metrics()
         return row
@@ -370,9 +402,13 @@ class WorkerSource:
         missing = [self.names[w] for w in self.live if w not in self.states]
         if missing:
             raise WorkerDied(f"rollout worker rank(s) {missing} did not send their state for the checkpoint")
-        return {"serial": self.serial,
-                "workers": {str(self.names[w]): {"rollout": meta["rollout"], "generator": t["generator"]}
-                            for w, (meta, t) in self.states.items()}}
+        return {
+            "serial": self.serial,
+            "workers": {
+                str(self.names[w]): {"rollout": meta["rollout"], "generator": t["generator"]}
+                for w, (meta, t) in self.states.items()
+            },
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.serial = state["serial"]
@@ -380,14 +416,18 @@ class WorkerSource:
 
     def load_workers(self, states: dict) -> None:
         if not states:
-            log.warning("[trainer] the checkpoint holds no rollout-worker state (it was written after the run "
-                        "stopped on an error): the workers start with fresh drafters and generators")
+            log.warning(
+                "[trainer] the checkpoint holds no rollout-worker state (it was written after the run "
+                "stopped on an error): the workers start with fresh drafters and generators"
+            )
             return
         have = sorted(int(k) for k in states)
         if have != sorted(self.names[w] for w in self.live):
-            raise ValueError(f"the checkpoint holds rollout workers {have}, this run has "
-                             f"{sorted(self.names[w] for w in self.live)}; resume with the same "
-                             f"pipeline.rollout_workers and training.nproc")
+            raise ValueError(
+                f"the checkpoint holds rollout workers {have}, this run has "
+                f"{sorted(self.names[w] for w in self.live)}; resume with the same "
+                f"pipeline.rollout_workers and training.nproc"
+            )
         for w in self.live:
             st = states[str(self.names[w])]
             self.ch.send(pack({"kind": "load_state", "rollout": st["rollout"]}, {"generator": st["generator"]}), w)
@@ -412,8 +452,14 @@ class WorkerSource:
 
     def report(self) -> dict:
         d = self.disp
-        return {"dispatch": {"dispatched": d.dispatched, "completed": d.completed, "requeued": d.requeue_count,
-                             "waiting": len(d.requeued)}}
+        return {
+            "dispatch": {
+                "dispatched": d.dispatched,
+                "completed": d.completed,
+                "requeued": d.requeue_count,
+                "waiting": len(d.requeued),
+            }
+        }
 
     def summary_lines(self) -> list[str]:
         return [f"prompts         re-queued {self.disp.requeue_count}, waiting to be re-sent {len(self.disp.requeued)}"]
@@ -464,11 +510,13 @@ def main(argv: list[str] | None = None) -> int:
         code = None
     else:
         # the trainer ranks' own group: the training engine sees only them
-        os.environ.update(RANK=str(grank), WORLD_SIZE=str(trainers), LOCAL_RANK=str(grank),
-                          LOCAL_WORLD_SIZE=str(trainers))
+        os.environ.update(
+            RANK=str(grank), WORLD_SIZE=str(trainers), LOCAL_RANK=str(grank), LOCAL_WORLD_SIZE=str(trainers)
+        )
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, store=dist.PrefixStore("loomrl-trainers", store), rank=grank,
-                                world_size=trainers, timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.PrefixStore("loomrl-trainers", store), rank=grank, world_size=trainers, timeout=timeout
+        )
         code = trainer_role(recipe, out, args, grank, pg, names)
     # Exit without a collective: a dead peer would make destroy_process_group wait.
     sys.stdout.flush()

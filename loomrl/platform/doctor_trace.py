@@ -31,6 +31,7 @@ which `tests/test_rounding_vllm.py` compares kernel by kernel.
 vLLM must run in this process (`rollout.vllm.multiprocessing: false`, the default), where its
 model is an object the hooks can reach.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,21 @@ import torch.nn.functional as F
 
 from loomrl.platform.rollout.base import Prompt, Rollout
 
-REGIONS = ("embedding", "input_norm", "qkv", "rope", "attention", "o_proj", "residual", "post_norm", "swiglu",
-           "mlp", "final_norm", "logits", "log_softmax")
+REGIONS = (
+    "embedding",
+    "input_norm",
+    "qkv",
+    "rope",
+    "attention",
+    "o_proj",
+    "residual",
+    "post_norm",
+    "swiglu",
+    "mlp",
+    "final_norm",
+    "logits",
+    "log_softmax",
+)
 TRACED_SETTINGS = ("native", "aligned", "vllm")
 
 # module name (relative to a `layers.N.` prefix, or the whole name's end) -> (region, how to read it)
@@ -96,8 +110,13 @@ class Recorder:
             elif name.endswith("model.norm"):
                 self._hook(module, "final_norm", "out0", final=True)
             elif name.endswith("logits_processor") or name.endswith("lm_head"):
-                self.handles.append(module.register_forward_hook(
-                    lambda mod, args, out: self.logits.append(_first(out).detach().reshape(-1, _first(out).shape[-1]))))
+                self.handles.append(
+                    module.register_forward_hook(
+                        lambda mod, args, out: self.logits.append(
+                            _first(out).detach().reshape(-1, _first(out).shape[-1])
+                        )
+                    )
+                )
 
     def _put(self, layer: int, region: str, x: torch.Tensor) -> None:
         if (layer, region) not in self.seen and x.numel() and _rows(x, self.tokens).shape[0] == self.tokens:
@@ -108,9 +127,13 @@ class Recorder:
             self.layer = layer
             if layer == 0:  # its input is the embedding
                 # vLLM calls layer(positions, hidden_states, residual); the trainer layer(x, residual, ...)
-                x = args[1] if args and args[0].dtype in (torch.int32, torch.int64) else (
-                    args[0] if args else kwargs["hidden_states"])
+                x = (
+                    args[1]
+                    if args and args[0].dtype in (torch.int32, torch.int64)
+                    else (args[0] if args else kwargs["hidden_states"])
+                )
                 self._put(0, "embedding", x)
+
         return before
 
     def _hook(self, module, region: str, how: str, final: bool = False) -> None:
@@ -125,6 +148,7 @@ class Recorder:
                 self._put(layer, "residual", out[1])
             if how == "out0+swiglu":
                 self._put(layer, "swiglu", args[0])
+
         self.handles.append(module.register_forward_hook(after))
 
     def remove(self) -> None:
@@ -164,11 +188,19 @@ def compare(ref: dict, got: dict) -> list[dict]:
     for key in sorted(set(ref) & set(got), key=_order):
         a, b = ref[key], got[key]
         if a.shape != b.shape:
-            raise ValueError(f"trace: layer {key[0]} {key[1]}: vLLM's output is {list(a.shape)}, "
-                             f"the trainer's {list(b.shape)}")
+            raise ValueError(
+                f"trace: layer {key[0]} {key[1]}: vLLM's output is {list(a.shape)}, the trainer's {list(b.shape)}"
+            )
         d = (a - b).abs()
-        rows.append({"layer": key[0], "region": key[1], "differ": float((d > 0).float().mean()),
-                     "max_abs": float(d.max()), "mean_abs": float(d.mean())})
+        rows.append(
+            {
+                "layer": key[0],
+                "region": key[1],
+                "differ": float((d > 0).float().mean()),
+                "max_abs": float(d.max()),
+                "mean_abs": float(d.mean()),
+            }
+        )
     return rows
 
 
@@ -177,8 +209,9 @@ def first_divergence(rows: list[dict]) -> Optional[dict]:
 
 
 @torch.no_grad()
-def trace_vllm(model, prompts: list[Prompt], rollouts: list[Rollout],
-               settings: tuple[str, ...] = TRACED_SETTINGS) -> dict:
+def trace_vllm(
+    model, prompts: list[Prompt], rollouts: list[Rollout], settings: tuple[str, ...] = TRACED_SETTINGS
+) -> dict:
     """Trace the longest rollout (prompt + completion) through vLLM's prefill and the trainer's
     BF16 copy under each of `settings`; see the module docstring."""
     from loomrl.platform.backbone.rounding import SETTINGS
@@ -199,8 +232,10 @@ def trace_vllm(model, prompts: list[Prompt], rollouts: list[Rollout],
     engine = VLLMRolloutEngine(model, VLLMConfig(dtype="bfloat16"), max_model_len=max(512, tokens + 8))
     try:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-            raise ValueError("--trace needs vLLM in this process: unset VLLM_ENABLE_V1_MULTIPROCESSING "
-                             "(rollout.vllm.multiprocessing: false)")
+            raise ValueError(
+                "--trace needs vLLM in this process: unset VLLM_ENABLE_V1_MULTIPROCESSING "
+                "(rollout.vllm.multiprocessing: false)"
+            )
         served = engine.llm.collective_rpc(lambda worker: worker.get_model())[0]
         rec = Recorder(served, tokens)
         try:
@@ -243,10 +278,14 @@ def _prefill(engine, seq: Prompt) -> None:
 
 def trace_table(trace: dict) -> str:
     names = list(trace["settings"])
-    lines = [f"trace: one sequence ({trace['prompt_tokens']} prompt + {trace['completion_tokens']} completion "
-             "tokens), vLLM's prefill vs the trainer's BF16 forward; per region: elements that differ / max abs "
-             "difference", "", "| layer | region | " + " | ".join(names) + " |",
-             "| --- | --- | " + " | ".join("---" for _ in names) + " |"]
+    lines = [
+        f"trace: one sequence ({trace['prompt_tokens']} prompt + {trace['completion_tokens']} completion "
+        "tokens), vLLM's prefill vs the trainer's BF16 forward; per region: elements that differ / max abs "
+        "difference",
+        "",
+        "| layer | region | " + " | ".join(names) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in names) + " |",
+    ]
     by_key = {name: {(r["layer"], r["region"]): r for r in s["regions"]} for name, s in trace["settings"].items()}
     for key in by_key[names[0]]:
         cells = []
@@ -258,7 +297,13 @@ def trace_table(trace: dict) -> str:
     lines.append("")
     for name, s in trace["settings"].items():
         f = s["first"]
-        lines.append(f"first divergence, {name}: " + ("none (bit for bit)" if f is None else
-                     f"{'' if f['layer'] < 0 else 'layer %d ' % f['layer']}{f['region']} "
-                     f"({f['differ']:.2%} of elements, max {f['max_abs']:.1e})"))
+        lines.append(
+            f"first divergence, {name}: "
+            + (
+                "none (bit for bit)"
+                if f is None
+                else f"{'' if f['layer'] < 0 else 'layer %d ' % f['layer']}{f['region']} "
+                f"({f['differ']:.2%} of elements, max {f['max_abs']:.1e})"
+            )
+        )
     return "\n".join(lines)

@@ -28,6 +28,7 @@ fsynced, renamed into place); an existing non-empty `out` is refused unless `ove
 `out` that holds the checkpoint is always refused; every problem with the run folder or the
 checkpoint is a ValueError (an OSError for the file system) naming the file.
 """
+
 from __future__ import annotations
 
 import json
@@ -76,8 +77,10 @@ def run_recipe(checkpoint: Path) -> R.Recipe:
     module that was importable only where the run ran does not block its export."""
     file = checkpoint.resolve().parent.parent / "recipe.yaml"
     if not file.is_file():
-        raise ValueError(f"{file}: not found; a checkpoint is exported from its run folder "
-                         f"(RUN/checkpoints/step-N beside RUN/recipe.yaml, which says what the weights are)")
+        raise ValueError(
+            f"{file}: not found; a checkpoint is exported from its run folder "
+            f"(RUN/checkpoints/step-N beside RUN/recipe.yaml, which says what the weights are)"
+        )
     try:
         recipe = R.load_recipe(file, NO_REWARDS, files=False)
     except R.RecipeError as e:
@@ -91,8 +94,11 @@ def run_recipe(checkpoint: Path) -> R.Recipe:
 def choose_modality(model, init_from: Optional[str], modality: Optional[str]) -> str:
     """The HF model to write: `modality` if given (the policy must read that medium), else
     init_from's; a policy with no init_from must name it when it reads two media (the demo)."""
-    readable = [kind for kind, tower in (("image", "visual"), ("audio", "audio_tower"))
-                if getattr(model, tower, None) is not None and getattr(model, f"{kind}_token_id") is not None]
+    readable = [
+        kind
+        for kind, tower in (("image", "visual"), ("audio", "audio_tower"))
+        if getattr(model, tower, None) is not None and getattr(model, f"{kind}_token_id") is not None
+    ]
     source = None
     if init_from is not None:
         source = _read_json(Path(init_from) / "config.json").get("model_type")
@@ -100,25 +106,36 @@ def choose_modality(model, init_from: Optional[str], modality: Optional[str]) ->
         if source is not None:
             modality = MODALITY_OF.get(source)
             if modality is None:
-                raise ValueError(f"{init_from}/config.json: model_type {source!r} has no export "
-                                 f"(expected one of {sorted(MODALITY_OF)})")
+                raise ValueError(
+                    f"{init_from}/config.json: model_type {source!r} has no export "
+                    f"(expected one of {sorted(MODALITY_OF)})"
+                )
         elif len(readable) <= 1:
             modality = readable[0] if readable else "text"
         else:
-            raise ValueError(f"the policy has no model.init_from and reads {' and '.join(readable)}: "
-                             f"name the model to write with --modality image|audio|text (image: Qwen2-VL, "
-                             f"audio: Qwen2-Audio, text: Qwen2ForCausalLM, the language model alone)")
+            raise ValueError(
+                f"the policy has no model.init_from and reads {' and '.join(readable)}: "
+                f"name the model to write with --modality image|audio|text (image: Qwen2-VL, "
+                f"audio: Qwen2-Audio, text: Qwen2ForCausalLM, the language model alone)"
+            )
     if modality not in MODALITIES:
         raise ValueError(f"modality {modality!r}: expected one of {', '.join(MODALITIES)}")
     if modality != "text" and modality not in readable:
         started = f"model.init_from is a {source} checkpoint" if source else "model.init_from is null"
-        raise ValueError(f"--modality {modality}: the policy has no {modality} tower or token ({started}); "
-                         f"it can be exported as {' or '.join(readable + ['text'])}")
+        raise ValueError(
+            f"--modality {modality}: the policy has no {modality} tower or token ({started}); "
+            f"it can be exported as {' or '.join(readable + ['text'])}"
+        )
     return modality
 
 
-def export_checkpoint(checkpoint: Path, out: Path, dtype: str | torch.dtype | None = None,
-                      modality: Optional[str] = None, overwrite: bool = False) -> Path:
+def export_checkpoint(
+    checkpoint: Path,
+    out: Path,
+    dtype: str | torch.dtype | None = None,
+    modality: Optional[str] = None,
+    overwrite: bool = False,
+) -> Path:
     """Write the policy of `checkpoint` (a `step-N` folder, or a run folder: its newest) as a
     Hugging Face folder `out`; returns `out`.
 
@@ -166,8 +183,14 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | torch.dtype | No
     finally:
         _remove(stage)
     params = _count_params(out)
-    log.info("[export] %s -> %s: %s, %.2fM params, %s", checkpoint.name, out, config["architectures"][0],
-             params / 1e6, str(dtype).removeprefix("torch."))
+    log.info(
+        "[export] %s -> %s: %s, %.2fM params, %s",
+        checkpoint.name,
+        out,
+        config["architectures"][0],
+        params / 1e6,
+        str(dtype).removeprefix("torch."),
+    )
     log.info("[export] wrote %s", ", ".join(sorted(p.name for p in out.iterdir())))
     return out
 
@@ -205,12 +228,22 @@ def preprocessor_config(model_cfg: R.ModelConfig, model_type: str, init_from: Op
         v = model_cfg.vision
         processor = "Qwen2VLProcessor" if model_type == "qwen2_vl" else "Qwen2_5_VLProcessor"
         base = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor}
-        ours = {"do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,  # PIL bicubic
-                "do_normalize": True, "image_mean": _short(CLIP_MEAN), "image_std": _short(CLIP_STD),
-                "do_convert_rgb": True, "min_pixels": v.min_pixels, "max_pixels": v.max_pixels,
-                "size": {"shortest_edge": v.min_pixels, "longest_edge": v.max_pixels},
-                "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
-                "merge_size": v.spatial_merge_size}
+        ours = {
+            "do_resize": True,
+            "resample": 3,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,  # PIL bicubic
+            "do_normalize": True,
+            "image_mean": _short(CLIP_MEAN),
+            "image_std": _short(CLIP_STD),
+            "do_convert_rgb": True,
+            "min_pixels": v.min_pixels,
+            "max_pixels": v.max_pixels,
+            "size": {"shortest_edge": v.min_pixels, "longest_edge": v.max_pixels},
+            "patch_size": v.patch_size,
+            "temporal_patch_size": v.temporal_patch_size,
+            "merge_size": v.spatial_merge_size,
+        }
     elif model_type == "qwen2_audio":
         from loomrl.encoders.audio import HOP, N_FFT, num_frames
 
@@ -219,14 +252,28 @@ def preprocessor_config(model_cfg: R.ModelConfig, model_type: str, init_from: Op
         # must be that long, in as many frames as the audio tower takes
         seconds = int(a.clip_seconds)
         if seconds != a.clip_seconds or seconds * a.sample_rate // HOP != num_frames(a):
-            log.warning("[export] no preprocessor_config.json: model.audio.clip_seconds=%s is not a whole "
-                        "number of seconds, which WhisperFeatureExtractor needs", a.clip_seconds)
+            log.warning(
+                "[export] no preprocessor_config.json: model.audio.clip_seconds=%s is not a whole "
+                "number of seconds, which WhisperFeatureExtractor needs",
+                a.clip_seconds,
+            )
             return None
-        base = {"feature_extractor_type": "WhisperFeatureExtractor", "processor_class": "Qwen2AudioProcessor",
-                "padding_side": "right", "padding_value": 0.0, "return_attention_mask": True}
-        ours = {"feature_size": a.num_mel_bins, "sampling_rate": a.sample_rate, "hop_length": HOP,
-                "n_fft": N_FFT, "chunk_length": seconds, "n_samples": seconds * a.sample_rate,
-                "nb_max_frames": seconds * a.sample_rate // HOP}
+        base = {
+            "feature_extractor_type": "WhisperFeatureExtractor",
+            "processor_class": "Qwen2AudioProcessor",
+            "padding_side": "right",
+            "padding_value": 0.0,
+            "return_attention_mask": True,
+        }
+        ours = {
+            "feature_size": a.num_mel_bins,
+            "sampling_rate": a.sample_rate,
+            "hop_length": HOP,
+            "n_fft": N_FFT,
+            "chunk_length": seconds,
+            "n_samples": seconds * a.sample_rate,
+            "nb_max_frames": seconds * a.sample_rate // HOP,
+        }
     else:
         return None
     if init_from is not None and (Path(init_from) / "preprocessor_config.json").is_file():
@@ -234,8 +281,11 @@ def preprocessor_config(model_cfg: R.ModelConfig, model_type: str, init_from: Op
         base = _read_json(source)
         changed = sorted(k for k in ours if k in base and base[k] != ours[k])
         if changed:
-            log.info("[export] preprocessor_config.json: %s of %s set to the recipe's (what the policy was "
-                     "trained on)", ", ".join(changed), source)
+            log.info(
+                "[export] preprocessor_config.json: %s of %s set to the recipe's (what the policy was trained on)",
+                ", ".join(changed),
+                source,
+            )
     return {**base, **ours}
 
 
@@ -251,9 +301,13 @@ def generation_config(model, tokenizer, init_from: Optional[str]) -> dict:
     if init_from is not None and (Path(init_from) / "generation_config.json").is_file():
         base = _read_json(Path(init_from) / "generation_config.json")
     theirs = base.get("eos_token_id")
-    eos = list(dict.fromkeys(i for i in [model.eos_token_id, tokenizer.eos_token_id,
-                                          *(theirs if isinstance(theirs, list) else [theirs])]
-                             if isinstance(i, int)))
+    eos = list(
+        dict.fromkeys(
+            i
+            for i in [model.eos_token_id, tokenizer.eos_token_id, *(theirs if isinstance(theirs, list) else [theirs])]
+            if isinstance(i, int)
+        )
+    )
     gen = {**base, "eos_token_id": eos[0] if len(eos) == 1 else eos}
     if model.pad_token_id is not None:
         gen["pad_token_id"] = model.pad_token_id

@@ -1,6 +1,7 @@
 """Fault injection for the resume tests: with LOOMRL_KILL_AT="point:step" the process
 SIGKILLs itself when it reaches that point of that RL step (points: rollout, optimizer,
 checkpoint). Unset, this costs one dict lookup."""
+
 from __future__ import annotations
 
 import os

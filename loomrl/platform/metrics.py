@@ -1,5 +1,6 @@
 """Per-step metrics: metrics.jsonl (one JSON object per line, flushed each step)
 and TensorBoard event files."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,10 @@ def read_metrics(path: Path) -> list[dict]:
                 except ValueError as e:  # not JSON, not UTF-8
                     if not line.endswith(b"\n"):  # the last line, cut by a kill in the middle of a write
                         logging.getLogger("loomrl").warning(
-                            "warning: %s:%d: an incomplete last line (the run stopped while writing it); "
-                            "dropped", path, i)
+                            "warning: %s:%d: an incomplete last line (the run stopped while writing it); dropped",
+                            path,
+                            i,
+                        )
                         break
                     raise MetricsError(f"{path}:{i}: not a JSON line: {e}") from None
                 if not isinstance(row, dict):

@@ -6,6 +6,7 @@ report it (`loomrl doctor`, its region-by-region trace). Per setting, over every
 mean and max |trainer logp - rollout logp|, and the token-level KL(rollout || trainer) estimated on
 the sampled tokens with the non-negative k3 estimator E[r - 1 - log r], r = p_trainer / p_rollout.
 """
+
 from __future__ import annotations
 
 import copy
@@ -33,9 +34,19 @@ def low_precision_copy(model, regions: Regions, dtype: torch.dtype = DTYPE):
 
 
 def trajectories(prompts: list[Prompt], rollouts: list[Rollout]) -> list[Trajectory]:
-    return [Trajectory(prompts[r.prompt_index].id, r.prompt_index, prompts[r.prompt_index].ids,
-                       r.completion_ids, prompts[r.prompt_index].media, r.logprobs, 0.0, 0)
-            for r in rollouts]
+    return [
+        Trajectory(
+            prompts[r.prompt_index].id,
+            r.prompt_index,
+            prompts[r.prompt_index].ids,
+            r.completion_ids,
+            prompts[r.prompt_index].media,
+            r.logprobs,
+            0.0,
+            0,
+        )
+        for r in rollouts
+    ]
 
 
 def completion_logprobs(logp: torch.Tensor, mb) -> list[list[float]]:
@@ -61,8 +72,9 @@ def policy_encodings(model, trajs: list[Trajectory]) -> dict:
 
 
 @torch.no_grad()
-def trainer_logprobs(policy, trajs: list[Trajectory], temperature: float,
-                     encodings: Optional[dict] = None) -> list[list[float]]:
+def trainer_logprobs(
+    policy, trajs: list[Trajectory], temperature: float, encodings: Optional[dict] = None
+) -> list[list[float]]:
     """The trainer's log-probs of each trajectory's completion: one full-sequence forward per
     micro-batch, exactly the trainer's `sequence_logprobs` (with `encodings`: those media
     encodings, by Medium.key, instead of the policy's towers per micro-batch)."""
@@ -82,26 +94,40 @@ def mismatch(rollout: list[list[float]], trainer: list[list[float]]) -> dict:
     if a.numel() == 0:
         return {"mean_abs_dlogp": 0.0, "max_abs_dlogp": 0.0, "kl": 0.0}
     d = b - a  # log r, r = p_trainer / p_rollout
-    return {"mean_abs_dlogp": float(d.abs().mean()), "max_abs_dlogp": float(d.abs().max()),
-            "kl": float((d.exp() - 1 - d).mean())}
+    return {
+        "mean_abs_dlogp": float(d.abs().mean()),
+        "max_abs_dlogp": float(d.abs().max()),
+        "kl": float((d.exp() - 1 - d).mean()),
+    }
 
 
-def measure(model, trajs: list[Trajectory], temperature: float,
-            settings: dict[str, Regions] = SETTINGS, dtype: torch.dtype = DTYPE) -> dict[str, dict]:
+def measure(
+    model,
+    trajs: list[Trajectory],
+    temperature: float,
+    settings: dict[str, Regions] = SETTINGS,
+    dtype: torch.dtype = DTYPE,
+) -> dict[str, dict]:
     """Mismatch between the trajectories' rollout log-probs and the trainer's forward on a
     `dtype` copy of `model`, per rounding setting."""
     rollout = [t.rollout_logprobs for t in trajs]
     encodings = policy_encodings(model, trajs)
-    return {name: mismatch(rollout, trainer_logprobs(low_precision_copy(model, regions, dtype), trajs, temperature,
-                                                     encodings))
-            for name, regions in settings.items()}
+    return {
+        name: mismatch(
+            rollout, trainer_logprobs(low_precision_copy(model, regions, dtype), trajs, temperature, encodings)
+        )
+        for name, regions in settings.items()
+    }
 
 
 def mismatch_metrics(model, trajs: list[Trajectory], temperature: float) -> dict[str, float]:
     """`measure` flattened for a metrics row: mismatch_<setting>_{mean,max,kl}."""
     short = {"mean_abs_dlogp": "mean", "max_abs_dlogp": "max", "kl": "kl"}
-    return {f"mismatch_{name}_{short[k]}": v
-            for name, row in measure(model, trajs, temperature).items() for k, v in row.items()}
+    return {
+        f"mismatch_{name}_{short[k]}": v
+        for name, row in measure(model, trajs, temperature).items()
+        for k, v in row.items()
+    }
 
 
 # --------------------------------------------------------------------------- engines

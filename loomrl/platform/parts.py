@@ -1,7 +1,8 @@
 """A run's parts built from its recipe, shared by the trainer, the rollout workers and
 `loomrl doctor`: torch settings, the shard list (demo shards written when missing), the
-policy with its tokenizer and chat format, the prompt source, and prompt conversion. Factories of the engines live beside them: `rollout.build_rollout_engine`
-and `engines.build_engine`."""
+policy with its tokenizer and chat format, the prompt source, and prompt conversion. Factories
+of the engines live beside them: `rollout.build_rollout_engine` and `engines.build_engine`."""
+
 from __future__ import annotations
 
 import logging
@@ -28,16 +29,20 @@ def shard_files(recipe: R.Recipe) -> list[str]:
         from loomrl.datasets.demo import write_demo_shards
 
         directory = str(Path(recipe.data.shards).parent)
-        log.info("[data] no shards match %s; writing %d demo samples to %s/", recipe.data.shards, demo.samples,
-                 directory)
+        log.info(
+            "[data] no shards match %s; writing %d demo samples to %s/", recipe.data.shards, demo.samples, directory
+        )
         try:
             files = write_demo_shards(directory, demo.samples, demo.samples_per_shard, demo.seed)
         except FileExistsError as e:  # the writer never replaces a file (an interrupted write leaves .tmp)
-            raise R.RecipeError(f"data.shards: cannot write the demo shards: {e.filename} exists (left by an "
-                                f"interrupted write?); remove it and run again") from None
+            raise R.RecipeError(
+                f"data.shards: cannot write the demo shards: {e.filename} exists (left by an "
+                f"interrupted write?); remove it and run again"
+            ) from None
         if not R.expand_pattern(recipe.data.shards):
-            raise R.RecipeError(f"data.shards: demo shards were written to {directory}/ "
-                                f"but {recipe.data.shards!r} does not match them")
+            raise R.RecipeError(
+                f"data.shards: demo shards were written to {directory}/ but {recipe.data.shards!r} does not match them"
+            )
     return files
 
 
@@ -66,7 +71,8 @@ def check_text_parts(recipe: R.Recipe) -> None:
     """`text_parts` where its files are on this machine (a recipe for a cluster: nothing)."""
     m = recipe.model
     if (m.tokenizer == "demo" or Path(m.tokenizer).is_dir()) and (
-            m.init_from is None or (Path(m.init_from) / "config.json").is_file()):
+        m.init_from is None or (Path(m.init_from) / "config.json").is_file()
+    ):
         text_parts(recipe)
 
 
@@ -95,8 +101,14 @@ def prompt_source(recipe: R.Recipe, files: list[str], model, tokenizer, chat, on
     in order (a validation split); else shuffled, epoch after epoch."""
     from loomrl.datasets.stream import ShardStream
 
-    stream = ShardStream(files, shuffle_buffer=0 if one_pass else recipe.data.shuffle_buffer, seed=recipe.data.seed,
-                         rank=0, world_size=1, epochs=1 if one_pass else None)
+    stream = ShardStream(
+        files,
+        shuffle_buffer=0 if one_pass else recipe.data.shuffle_buffer,
+        seed=recipe.data.seed,
+        rank=0,
+        world_size=1,
+        epochs=1 if one_pass else None,
+    )
     return PromptSource(stream, model, tokenizer, recipe.model, render=chat.render)
 
 

@@ -20,6 +20,7 @@ construction (nothing crosses); on a GPU they are the per-step traffic to watch,
 
 `tools/gpu_check.sh` is the prepared check of all this on one GPU (docs/gpu.md).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,12 +36,16 @@ def choose_device(setting: str = "auto", local_rank: int | None = None) -> torch
     if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("training.device: 'cuda', but torch sees no CUDA device on this machine "
-                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+        raise ValueError(
+            "training.device: 'cuda', but torch sees no CUDA device on this machine "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda})"
+        )
     rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     if rank >= torch.cuda.device_count():
-        raise ValueError(f"training.device: local rank {rank} but only {torch.cuda.device_count()} CUDA "
-                         "device(s) are visible (CUDA_VISIBLE_DEVICES?)")
+        raise ValueError(
+            f"training.device: local rank {rank} but only {torch.cuda.device_count()} CUDA "
+            "device(s) are visible (CUDA_VISIBLE_DEVICES?)"
+        )
     return torch.device("cuda", rank)
 
 
@@ -55,8 +60,12 @@ class Transfers:
 
     def take(self) -> dict[str, float]:
         """The counts as a metrics row's keys, then zero them (one RL step each)."""
-        row = {"h2d_copies": self.h2d_copies, "h2d_mb": self.h2d_bytes / 2**20,
-               "d2h_copies": self.d2h_copies, "d2h_mb": self.d2h_bytes / 2**20}
+        row = {
+            "h2d_copies": self.h2d_copies,
+            "h2d_mb": self.h2d_bytes / 2**20,
+            "d2h_copies": self.d2h_copies,
+            "d2h_mb": self.d2h_bytes / 2**20,
+        }
         for f in fields(self):
             setattr(self, f.name, 0)
         return row

@@ -75,6 +75,7 @@ plan with little headroom may still not fit.
 Exit codes of the command: 0 fits, 3 does not fit in --gpu-memory (the plan is still
 printed, `fits: false` in --json), 2 a bad recipe, a missing model config or bad options.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -98,14 +99,21 @@ log = logging.getLogger("loomrl")
 
 GIB = 1 << 30
 PROMPT_ALLOWANCE = 512  # prompt tokens assumed without vLLM's max_model_len
-TRANSFORMERS_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen2_vl": "Qwen2VLForConditionalGeneration",
-                        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                        "qwen2_audio": "Qwen2AudioForConditionalGeneration"}
+TRANSFORMERS_CLASSES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_audio": "Qwen2AudioForConditionalGeneration",
+}
 # transformers 5.19's module names -> loomrl's policy layout; the longest prefix wins
-_HF_PREFIXES = {"model.visual.": "visual.", "model.audio_tower.": "audio_tower.",
-                "model.multi_modal_projector.linear.": "audio_projector.",
-                "model.language_model.": "language_model.model.", "lm_head.": "language_model.lm_head.",
-                "model.": "language_model.model."}
+_HF_PREFIXES = {
+    "model.visual.": "visual.",
+    "model.audio_tower.": "audio_tower.",
+    "model.multi_modal_projector.linear.": "audio_projector.",
+    "model.language_model.": "language_model.model.",
+    "lm_head.": "language_model.lm_head.",
+    "model.": "language_model.model.",
+}
 TOWERS = ("visual.", "audio_tower.")
 PROJECTORS = ("audio_projector.",)
 VLLM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -169,14 +177,27 @@ class Plan:
     def to_json(self) -> dict:
         c = self.counts
         return {
-            "recipe": self.recipe, "model_config": c.source, "model_type": c.model_type,
-            "params_total": c.total, "params_trainable": c.trainable, "params_language_model": c.language_model,
-            "params_towers": c.towers, "params_projector": c.projector, "params_lora": c.lora,
-            "engine": self.engine, "dtype": self.dtype, "ranks": self.ranks,
-            "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,
-            "activation_checkpointing": self.activation_checkpointing, "fused_attention": self.fused_attention,
-            "per_rank_bytes": self.per_rank_bytes, "activations_bytes": self.activations_bytes,
-            "cpu_bytes": self.cpu_bytes, "gpu_memory_bytes": self.gpu_memory_bytes, "fits": self.fits,
+            "recipe": self.recipe,
+            "model_config": c.source,
+            "model_type": c.model_type,
+            "params_total": c.total,
+            "params_trainable": c.trainable,
+            "params_language_model": c.language_model,
+            "params_towers": c.towers,
+            "params_projector": c.projector,
+            "params_lora": c.lora,
+            "engine": self.engine,
+            "dtype": self.dtype,
+            "ranks": self.ranks,
+            "seq_len": self.seq_len,
+            "micro_batch_size": self.micro_batch_size,
+            "activation_checkpointing": self.activation_checkpointing,
+            "fused_attention": self.fused_attention,
+            "per_rank_bytes": self.per_rank_bytes,
+            "activations_bytes": self.activations_bytes,
+            "cpu_bytes": self.cpu_bytes,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "fits": self.fits,
             "headroom_bytes": self.gpu_memory_bytes - self.per_rank_bytes["total"],
         }
 
@@ -186,7 +207,8 @@ class Plan:
         lines = [
             f"plan: {self.recipe}",
             f"model: {c.source} ({c.model_type}): {c.total:,} parameters (language model {c.language_model:,}, "
-            f"towers {c.towers:,}" + (f", projector {c.projector:,}" if c.projector else "")
+            f"towers {c.towers:,}"
+            + (f", projector {c.projector:,}" if c.projector else "")
             + f"), {c.trainable:,} trainable"
             + (f" (LoRA adapters {c.lora:,})" if c.lora else ""),
             f"engine: {self.engine_desc}; {self.ranks['world']} rank(s) = dp {self.ranks['dp']} x tp "
@@ -202,18 +224,22 @@ class Plan:
                 lines.append(f"{kind:<12} {gib(n)}  {self.how[kind]}")
         lines.append(f"{'total':<12} {gib(self.per_rank_bytes['total'])}")
         a = self.activations_bytes
-        lines.append(f"  activations: decoder layers {a['layers'] / GIB:.2f} GiB (of which attention scores "
-                     f"{a['attention_scores'] / GIB:.2f} GiB), logits {a['logits'] / GIB:.2f} GiB")
+        lines.append(
+            f"  activations: decoder layers {a['layers'] / GIB:.2f} GiB (of which attention scores "
+            f"{a['attention_scores'] / GIB:.2f} GiB), logits {a['logits'] / GIB:.2f} GiB"
+        )
         if self.cpu_bytes:
             lines.append(f"  host memory per rank: {self.cpu_bytes / GIB:.2f} GiB (offloaded optimizer)")
         total, gpu = self.per_rank_bytes["total"], self.gpu_memory_bytes
         if self.fits:
-            lines.append(f"fits in {gpu / GIB:g} GiB per GPU: headroom {(gpu - total) / GIB:.2f} GiB "
-                         f"({(gpu - total) / gpu:.0%})")
+            lines.append(
+                f"fits in {gpu / GIB:g} GiB per GPU: headroom {(gpu - total) / GIB:.2f} GiB ({(gpu - total) / gpu:.0%})"
+            )
         else:
             biggest = max((k for k in self.per_rank_bytes if k != "total"), key=self.per_rank_bytes.get)
-            lines.append(f"does NOT fit in {gpu / GIB:g} GiB per GPU: over by {(total - gpu) / GIB:.2f} GiB "
-                         f"(largest: {biggest})")
+            lines.append(
+                f"does NOT fit in {gpu / GIB:g} GiB per GPU: over by {(total - gpu) / GIB:.2f} GiB (largest: {biggest})"
+            )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -255,15 +281,17 @@ def find_model_config(recipe: R.Recipe, recipe_path: Optional[str | Path]) -> Op
     for path in tried[1:]:
         if path.is_file():
             return path
-    raise PlanError(f"model.init_from: {init_from!r} has no config.json on this machine, and loomrl ships none "
-                    f"for {name!r} (tried {', '.join(str(p) for p in tried)}); copy the checkpoint's config.json "
-                    f"to recipes/models/{name}/")
+    raise PlanError(
+        f"model.init_from: {init_from!r} has no config.json on this machine, and loomrl ships none "
+        f"for {name!r} (tried {', '.join(str(p) for p in tried)}); copy the checkpoint's config.json "
+        f"to recipes/models/{name}/"
+    )
 
 
 def canonical_hf_name(name: str) -> str:
     """A transformers 5.19 parameter name in loomrl's policy layout (`model.visual.x` -> `visual.x`)."""
     prefix = max((p for p in _HF_PREFIXES if name.startswith(p)), key=len, default=None)
-    return name if prefix is None else _HF_PREFIXES[prefix] + name[len(prefix):]
+    return name if prefix is None else _HF_PREFIXES[prefix] + name[len(prefix) :]
 
 
 @functools.lru_cache(maxsize=8)
@@ -295,9 +323,14 @@ def _meta_checkpoint_model(path: str, digest: str) -> tuple[str, nn.Module]:
 
 def part_of(name: str) -> str:
     """The part (training.freeze's names) of a parameter named in loomrl's policy layout."""
-    for prefix, part in (("visual.merger.", "merger"), ("visual.", "vision"), ("audio_tower.", "audio"),
-                         ("audio_projector.", "audio_projector"), ("language_model.model.embed_tokens.", "embeddings"),
-                         ("language_model.lm_head.", "embeddings")):
+    for prefix, part in (
+        ("visual.merger.", "merger"),
+        ("visual.", "vision"),
+        ("audio_tower.", "audio"),
+        ("audio_projector.", "audio_projector"),
+        ("language_model.model.embed_tokens.", "embeddings"),
+        ("language_model.lm_head.", "embeddings"),
+    ):
         if name.startswith(prefix):
             return part
     return "language_model"
@@ -315,8 +348,9 @@ def _freeze_patterns(recipe: R.Recipe) -> list[str]:
         return [freeze]
     if isinstance(freeze, (list, tuple)) and all(isinstance(p, str) for p in freeze):
         return list(freeze)
-    log.warning("plan: training.freeze %r is not a list of parts or parameter-name patterns; counted as "
-                "nothing frozen", freeze)
+    log.warning(
+        "plan: training.freeze %r is not a list of parts or parameter-name patterns; counted as nothing frozen", freeze
+    )
     return []
 
 
@@ -375,8 +409,11 @@ def tally(model: nn.Module, recipe: R.Recipe, source: str, model_type: str, cano
                 trainable = True
             # LoRA freezes the language model's own weights, as the trainer does (lora.apply_lora); its
             # embeddings / head and the towers train as the recipe says
-            lora_frozen = lora_rank and name.startswith("language_model.") and not any(
-                k in name for k in ("embed_tokens", "lm_head"))
+            lora_frozen = (
+                lora_rank
+                and name.startswith("language_model.")
+                and not any(k in name for k in ("embed_tokens", "lm_head"))
+            )
             if any(_matches(name, pat) for pat in patterns) or lora_frozen:
                 trainable = False
             if trainable:
@@ -384,8 +421,17 @@ def tally(model: nn.Module, recipe: R.Recipe, source: str, model_type: str, cano
                 c["trainable_tp"] += n if tp else 0
     if lora_rank:
         c["trainable"] += c["lora"]  # adapters: replicated over tensor-parallel ranks here
-    return Counts(source=source, model_type=model_type, hidden_size=0, num_layers=0, num_heads=0, num_kv_heads=0,
-                  vocab_size=0, tied=False, **c)
+    return Counts(
+        source=source,
+        model_type=model_type,
+        hidden_size=0,
+        num_layers=0,
+        num_heads=0,
+        num_kv_heads=0,
+        vocab_size=0,
+        tied=False,
+        **c,
+    )
 
 
 def count_parameters(recipe: R.Recipe, recipe_path: Optional[str | Path] = None) -> Counts:
@@ -406,8 +452,9 @@ def count_parameters(recipe: R.Recipe, recipe_path: Optional[str | Path] = None)
         try:
             tokenizer = load_tokenizer(m.tokenizer)
         except (OSError, ValueError) as e:
-            raise PlanError(f"model.tokenizer: cannot load {m.tokenizer!r} (the vocabulary sizes the "
-                            f"recipe's own model): {e}") from None
+            raise PlanError(
+                f"model.tokenizer: cannot load {m.tokenizer!r} (the vocabulary sizes the recipe's own model): {e}"
+            ) from None
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             # the plain model: `tally` adds model.lora's adapters itself
             plain = dataclasses.replace(m, lora=R.LoRAConfig()) if hasattr(m, "lora") else m
@@ -442,12 +489,22 @@ def sequence_length(recipe: R.Recipe, override: Optional[int] = None) -> tuple[i
         return override, "--seq-len"
     if recipe.rollout.engine == "vllm":
         return recipe.rollout.vllm.max_model_len, "rollout.vllm.max_model_len"
-    return (PROMPT_ALLOWANCE + recipe.rollout.max_new_tokens,
-            f"{PROMPT_ALLOWANCE} prompt tokens + rollout.max_new_tokens; --seq-len to set it")
+    return (
+        PROMPT_ALLOWANCE + recipe.rollout.max_new_tokens,
+        f"{PROMPT_ALLOWANCE} prompt tokens + rollout.max_new_tokens; --seq-len to set it",
+    )
 
 
-def activation_bytes(c: Counts, s: int, b: int, tp: int, w: int, checkpointing: bool,
-                     vocab_rows: Optional[int] = None, fused_attention: bool = False) -> dict:
+def activation_bytes(
+    c: Counts,
+    s: int,
+    b: int,
+    tp: int,
+    w: int,
+    checkpointing: bool,
+    vocab_rows: Optional[int] = None,
+    fused_attention: bool = False,
+) -> dict:
     """{"layers", "attention_scores", "logits", "total"} for one micro-batch (formulas: module docstring);
     fused_attention: the attention kernel stores no score matrix (the 5 a s / h term is 0)."""
     h, a, L = c.hidden_size, c.num_heads, c.num_layers
@@ -464,8 +521,13 @@ def activation_bytes(c: Counts, s: int, b: int, tp: int, w: int, checkpointing: 
     return out
 
 
-def make_plan(recipe: R.Recipe, recipe_path: Optional[str | Path] = None, gpu_memory_gib: float = 80.0,
-              seq_len: Optional[int] = None, fused_attention: bool = False) -> Plan:
+def make_plan(
+    recipe: R.Recipe,
+    recipe_path: Optional[str | Path] = None,
+    gpu_memory_gib: float = 80.0,
+    seq_len: Optional[int] = None,
+    fused_attention: bool = False,
+) -> Plan:
     """The per-rank memory plan of a loaded recipe (see the module docstring)."""
     from loomrl.platform.engines.megatron_convert import padded_vocab
 
@@ -498,8 +560,7 @@ def make_plan(recipe: R.Recipe, recipe_path: Optional[str | Path] = None, gpu_me
         desc = f"deepspeed ZeRO-{z}"
         how["weights"] = f"{P:,} params x {w} B" + (f" / {dp} (ZeRO-3)" if shard_w > 1 else "")
         how["gradients"] = f"{T:,} trainable x {w} B" + (f" / {dp} (ZeRO-2+)" if shard_g > 1 else "")
-        how["optimizer"] = f"{T:,} trainable x {opt_per} B ({opt_what})" + (
-            f" / {dp} (ZeRO-1+)" if shard_o > 1 else "")
+        how["optimizer"] = f"{T:,} trainable x {opt_per} B ({opt_what})" + (f" / {dp} (ZeRO-1+)" if shard_o > 1 else "")
         if t.deepspeed.offload_optimizer:
             cpu, opt = opt, 0
             how["optimizer"] = f"offloaded to host memory ({cpu / GIB:.2f} GiB per rank)"
@@ -513,8 +574,7 @@ def make_plan(recipe: R.Recipe, recipe_path: Optional[str | Path] = None, gpu_me
         grads = (t_rest + _ceil_div(t_sharded, tp)) * w
         opt = (t_rest + _ceil_div(t_sharded, tp)) * opt_per
         desc = f"megatron TP {tp}"
-        how["weights"] = (f"({rest:,} replicated + {sharded:,} language-model linear/embedding / {tp} (TP)) "
-                          f"x {w} B")
+        how["weights"] = f"({rest:,} replicated + {sharded:,} language-model linear/embedding / {tp} (TP)) x {w} B"
         how["gradients"] = f"({t_rest:,} + {t_sharded:,} / {tp}) trainable x {w} B"
         how["optimizer"] = f"({t_rest:,} + {t_sharded:,} / {tp}) trainable x {opt_per} B ({opt_what})"
     else:
@@ -528,14 +588,15 @@ def make_plan(recipe: R.Recipe, recipe_path: Optional[str | Path] = None, gpu_me
     b = t.micro_batch_size
     checkpointing = bool(getattr(t, "activation_checkpointing", False))
     act = activation_bytes(c, s, b, tp, act_w, checkpointing, vocab_rows, fused_attention)
-    terms = ["10 + 24/tp" if tp > 1 else "34"] + (
-        [] if fused_attention else ["5*a*s/(h*tp)" if tp > 1 else "5*a*s/h"])
+    terms = ["10 + 24/tp" if tp > 1 else "34"] + ([] if fused_attention else ["5*a*s/(h*tp)" if tp > 1 else "5*a*s/h"])
     layer_formula = " + ".join(terms)
     scale = "" if act_w == 2 else " x 2 (fp32)"
     layer = "s*b*h x " + (f"({layer_formula})" if "+" in layer_formula else layer_formula) + scale
-    how["activations"] = (f"{f'{c.num_layers} x w*s*b*h + 1 x {layer}' if checkpointing else f'{c.num_layers} x {layer}'}"
-                          f" + ({act_w}+4)*s*b*v logits; s={s}, b={b}, h={c.hidden_size}, a={c.num_heads}, "
-                          f"v={vocab_rows}")
+    how["activations"] = (
+        f"{f'{c.num_layers} x w*s*b*h + 1 x {layer}' if checkpointing else f'{c.num_layers} x {layer}'}"
+        f" + ({act_w}+4)*s*b*v logits; s={s}, b={b}, h={c.hidden_size}, a={c.num_heads}, "
+        f"v={vocab_rows}"
+    )
 
     r = recipe.rollout
     head_dim = c.hidden_size // c.num_heads
@@ -545,54 +606,93 @@ def make_plan(recipe: R.Recipe, recipe_path: Optional[str | Path] = None, gpu_me
     elif r.engine == "vllm":
         vb = VLLM_BYTES[r.vllm.dtype]
         rollout = c.language_model * vb + r.vllm.kv_cache_gib * GIB
-        how["rollout"] = (f"vLLM: {c.language_model:,} language-model params x {vb} B ({r.vllm.dtype}) + "
-                          f"KV cache {r.vllm.kv_cache_gib} GiB (rollout.vllm.kv_cache_gib)")
+        how["rollout"] = (
+            f"vLLM: {c.language_model:,} language-model params x {vb} B ({r.vllm.dtype}) + "
+            f"KV cache {r.vllm.kv_cache_gib} GiB (rollout.vllm.kv_cache_gib)"
+        )
     else:
         rows = math.ceil(t.prompts_per_step / world) * r.n
         rollout = 2 * c.num_layers * c.num_kv_heads * head_dim * s * rows * 4
-        how["rollout"] = (f"built-in engine KV cache: 2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x "
-                          f"{head_dim} x {s} tokens x {rows} rows x 4 B (weights: the policy's)")
-    per_rank = {"weights": weights, "gradients": grads, "optimizer": opt, "activations": act["total"],
-                "rollout": rollout}
+        how["rollout"] = (
+            f"built-in engine KV cache: 2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x "
+            f"{head_dim} x {s} tokens x {rows} rows x 4 B (weights: the policy's)"
+        )
+    per_rank = {
+        "weights": weights,
+        "gradients": grads,
+        "optimizer": opt,
+        "activations": act["total"],
+        "rollout": rollout,
+    }
     if engine != "torch":
         per_rank["policy_copy"] = c.total * 4
-        how["policy_copy"] = (f"{c.total:,} params x 4 B: the trainer's float32 policy the rollouts use "
-                              f"(reloaded from the engine after each step)")
+        how["policy_copy"] = (
+            f"{c.total:,} params x 4 B: the trainer's float32 policy the rollouts use "
+            f"(reloaded from the engine after each step)"
+        )
     if recipe.algorithm.kl_coef > 0 and not ALGORITHMS.get(recipe.algorithm.name).trait("supervised"):
         per_rank["reference"] = c.total * 4
         how["reference"] = f"{c.total:,} params x 4 B: the frozen reference policy (algorithm.kl_coef > 0)"
     per_rank["total"] = sum(per_rank.values())
     if fused_attention:
-        notes.append("--fused-attention: no attention score matrix is stored (SDPA's memory-efficient or flash "
-                     "kernel on a GPU)")
+        notes.append(
+            "--fused-attention: no attention score matrix is stored (SDPA's memory-efficient or flash kernel on a GPU)"
+        )
     elif act["attention_scores"] > act["total"] / 2:
-        notes.append(f"most activation bytes are attention scores ({act['attention_scores'] / GIB:.1f} GiB), which "
-                     f"a fused attention kernel does not store (--fused-attention plans with one); activation "
-                     f"checkpointing, a smaller training.micro_batch_size or shorter sequences also cut them")
-    notes.append("the towers' activations, the CUDA context, communication buffers and allocator "
-                 "fragmentation are not counted")
-    return Plan(fused_attention=fused_attention, recipe=recipe.name, engine=engine, engine_desc=f"{desc}, {dtype}", ranks={"world": world, "dp": dp,
-                "tp": tp}, counts=c, dtype=dtype, seq_len=s, seq_len_from=s_from, micro_batch_size=b,
-                activation_checkpointing=checkpointing, per_rank_bytes=per_rank, how=how, activations_bytes=act,
-                cpu_bytes=cpu, gpu_memory_bytes=int(gpu_memory_gib * GIB), notes=notes)
+        notes.append(
+            f"most activation bytes are attention scores ({act['attention_scores'] / GIB:.1f} GiB), which "
+            f"a fused attention kernel does not store (--fused-attention plans with one); activation "
+            f"checkpointing, a smaller training.micro_batch_size or shorter sequences also cut them"
+        )
+    notes.append(
+        "the towers' activations, the CUDA context, communication buffers and allocator fragmentation are not counted"
+    )
+    return Plan(
+        fused_attention=fused_attention,
+        recipe=recipe.name,
+        engine=engine,
+        engine_desc=f"{desc}, {dtype}",
+        ranks={"world": world, "dp": dp, "tp": tp},
+        counts=c,
+        dtype=dtype,
+        seq_len=s,
+        seq_len_from=s_from,
+        micro_batch_size=b,
+        activation_checkpointing=checkpointing,
+        per_rank_bytes=per_rank,
+        how=how,
+        activations_bytes=act,
+        cpu_bytes=cpu,
+        gpu_memory_bytes=int(gpu_memory_gib * GIB),
+        notes=notes,
+    )
 
 
-def plan_recipe(path: str | Path, overrides: list[str] = (), gpu_memory_gib: float = 80.0,
-                seq_len: Optional[int] = None, fused_attention: bool = False) -> Plan:
+def plan_recipe(
+    path: str | Path,
+    overrides: list[str] = (),
+    gpu_memory_gib: float = 80.0,
+    seq_len: Optional[int] = None,
+    fused_attention: bool = False,
+) -> Plan:
     """Load a recipe (no file checks: it may be for another machine) and plan it. A shipped model
     config (recipes/models/...) is checked against the recipe as a present checkpoint would be.
     RecipeError / PlanError name the key or file."""
     recipe = R.load_recipe(path, list(overrides), files=False)
     config = find_model_config(recipe, path)
-    if config is not None and recipe.model.init_from is not None and \
-            config != Path(recipe.model.init_from) / "config.json":
+    if (
+        config is not None
+        and recipe.model.init_from is not None
+        and config != Path(recipe.model.init_from) / "config.json"
+    ):
         # as `loomrl run` would see it on the machine with the checkpoint: its sizes checked against the recipe's
         try:
             R.load_recipe(path, [*overrides, f"model.init_from={json.dumps(str(config.parent))}"], files=False)
         except R.RecipeError as e:
             shown = str(config.resolve())
-            raise R.RecipeError(str(e) if shown in str(e) else f"{e} (with {shown} as model.init_from's config)") \
-                from None
+            raise R.RecipeError(
+                str(e) if shown in str(e) else f"{e} (with {shown} as model.init_from's config)"
+            ) from None
     return make_plan(recipe, path, gpu_memory_gib, seq_len, fused_attention)
 
 

@@ -11,6 +11,7 @@ wrong (unknown key, wrong type, a number outside its range, NaN or infinite, a v
 allowed set, sizes that do not fit together, missing file) raises `RecipeError` naming the key path,
 before any work starts. The names of every part's config are re-exported here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,33 +23,110 @@ import yaml
 from loomrl.config import schema
 from loomrl.config.patterns import MAX_SHARD_PATTERNS, check_pattern, expand_pattern
 from loomrl.config.plugins import set_recipe_folder
-from loomrl.config.schema import (INT_MAX, SEED_MAX, Range, RecipeError, apply_override, build, check_aliases, cut,
-                                  dump, is_dir, is_file, ranged, show, to_dict)
+from loomrl.config.schema import (
+    INT_MAX,
+    SEED_MAX,
+    Range,
+    RecipeError,
+    apply_override,
+    build,
+    check_aliases,
+    cut,
+    dump,
+    is_dir,
+    is_file,
+    ranged,
+    show,
+    to_dict,
+)
 from loomrl.datasets.config import DataConfig, DemoDataConfig, ValidationConfig
 from loomrl.encoders.config import AudioConfig, EncoderConfig, VisionConfig
 from loomrl.platform.algorithms import ALGORITHMS
 from loomrl.platform.algorithms.config import AlgorithmConfig, ImportanceConfig, PPOConfig, validate_algorithm
-from loomrl.platform.backbone.config import (DEFAULT_ROUNDING, LORA_TARGETS, ROUNDING_REGIONS, LoRAConfig, ModelConfig,
-                                            RoundingConfig, resolve_rounding, validate_model)
+from loomrl.platform.backbone.config import (
+    DEFAULT_ROUNDING,
+    LORA_TARGETS,
+    ROUNDING_REGIONS,
+    LoRAConfig,
+    ModelConfig,
+    RoundingConfig,
+    resolve_rounding,
+    validate_model,
+)
 from loomrl.platform.backbone.hf_config import checkpoint_settings, fill_from_checkpoint
 from loomrl.platform.engines import TRAINING_ENGINES
-from loomrl.platform.engines.config import (ENCODER_PARTS, FREEZE_PARTS, DeepSpeedConfig, MegatronConfig,
-                                           TrainingConfig, WarmupConfig)
+from loomrl.platform.engines.config import (
+    ENCODER_PARTS,
+    FREEZE_PARTS,
+    DeepSpeedConfig,
+    MegatronConfig,
+    TrainingConfig,
+    WarmupConfig,
+)
 from loomrl.platform.rewards.config import RewardSourceConfig, resolve_callable
 from loomrl.platform.rollout import ROLLOUT_ENGINES
 from loomrl.platform.rollout.config import DrafterConfig, RolloutConfig, VLLMConfig
 from loomrl.platform.trajectory.config import PipelineConfig
 
 __all__ = [  # the parts' configs and the config core, for `from loomrl.platform.recipe import ...`
-    "INT_MAX", "SEED_MAX", "MAX_SHARD_PATTERNS", "Range", "RecipeError", "ranged", "apply_override", "to_dict", "dump",
-    "check_pattern", "expand_pattern", "set_recipe_folder", "resolve_callable", "checkpoint_settings",
-    "fill_from_checkpoint", "DataConfig", "DemoDataConfig", "ValidationConfig", "AudioConfig", "EncoderConfig",
-    "VisionConfig", "AlgorithmConfig", "ImportanceConfig", "PPOConfig", "RewardSourceConfig", "LORA_TARGETS",
-    "DEFAULT_ROUNDING", "ROUNDING_REGIONS", "ALGORITHMS", "ROLLOUT_ENGINES", "TRAINING_ENGINES", "LoRAConfig", "ModelConfig", "RoundingConfig", "resolve_rounding",
-    "ENCODER_PARTS", "FREEZE_PARTS", "DeepSpeedConfig", "MegatronConfig", "TrainingConfig", "WarmupConfig",
-    "DrafterConfig", "RolloutConfig", "VLLMConfig", "PipelineConfig", "LoggingConfig", "CheckpointConfig",
-    "GoalConfig", "Recipe", "validate", "validate_algorithm", "validate_model", "validate_lora", "validate_freeze",
-    "file_problems", "load_recipe", "field_docs"]
+    "INT_MAX",
+    "SEED_MAX",
+    "MAX_SHARD_PATTERNS",
+    "Range",
+    "RecipeError",
+    "ranged",
+    "apply_override",
+    "to_dict",
+    "dump",
+    "check_pattern",
+    "expand_pattern",
+    "set_recipe_folder",
+    "resolve_callable",
+    "checkpoint_settings",
+    "fill_from_checkpoint",
+    "DataConfig",
+    "DemoDataConfig",
+    "ValidationConfig",
+    "AudioConfig",
+    "EncoderConfig",
+    "VisionConfig",
+    "AlgorithmConfig",
+    "ImportanceConfig",
+    "PPOConfig",
+    "RewardSourceConfig",
+    "LORA_TARGETS",
+    "DEFAULT_ROUNDING",
+    "ROUNDING_REGIONS",
+    "ALGORITHMS",
+    "ROLLOUT_ENGINES",
+    "TRAINING_ENGINES",
+    "LoRAConfig",
+    "ModelConfig",
+    "RoundingConfig",
+    "resolve_rounding",
+    "ENCODER_PARTS",
+    "FREEZE_PARTS",
+    "DeepSpeedConfig",
+    "MegatronConfig",
+    "TrainingConfig",
+    "WarmupConfig",
+    "DrafterConfig",
+    "RolloutConfig",
+    "VLLMConfig",
+    "PipelineConfig",
+    "LoggingConfig",
+    "CheckpointConfig",
+    "GoalConfig",
+    "Recipe",
+    "validate",
+    "validate_algorithm",
+    "validate_model",
+    "validate_lora",
+    "validate_freeze",
+    "file_problems",
+    "load_recipe",
+    "field_docs",
+]
 
 
 @dataclass
@@ -123,15 +201,21 @@ def validate_lora(r: Recipe) -> None:
     if not lo.rank:
         return
     if not lo.targets:
-        raise RecipeError(f"model.lora.targets: empty with model.lora.rank={lo.rank}; name at least one of "
-                          f"{', '.join(LORA_TARGETS)} (or set rank 0)")
+        raise RecipeError(
+            f"model.lora.targets: empty with model.lora.rank={lo.rank}; name at least one of "
+            f"{', '.join(LORA_TARGETS)} (or set rank 0)"
+        )
     if "language_model" in r.training.freeze:
-        raise RecipeError(f"training.freeze: language_model freezes the LoRA adapters too "
-                          f"(model.lora.rank={lo.rank}); with LoRA the base weights are frozen already")
+        raise RecipeError(
+            f"training.freeze: language_model freezes the LoRA adapters too "
+            f"(model.lora.rank={lo.rank}); with LoRA the base weights are frozen already"
+        )
     if not TRAINING_ENGINES.get(r.training.engine).trait("lora"):
         able = " or ".join(n for n in TRAINING_ENGINES.names() if TRAINING_ENGINES.get(n).trait("lora"))
-        raise RecipeError(f"model.lora.rank: LoRA ({lo.rank}) needs training.engine {able}; "
-                          f"{r.training.engine} trains its own copy of the plain language model")
+        raise RecipeError(
+            f"model.lora.rank: LoRA ({lo.rank}) needs training.engine {able}; "
+            f"{r.training.engine} trains its own copy of the plain language model"
+        )
 
 
 def validate_freeze(r: Recipe) -> None:
@@ -144,12 +228,16 @@ def validate_freeze(r: Recipe) -> None:
     frozen = set(t.freeze) | (set(ENCODER_PARTS) if r.model.encoders.frozen else set())
     also = " (with model.encoders.frozen: " + ", ".join(ENCODER_PARTS) + ")" if r.model.encoders.frozen else ""
     if frozen >= set(FREEZE_PARTS):
-        raise RecipeError(f"training.freeze: every part of the policy is frozen{also}; nothing would train "
-                          f"(parts: {', '.join(FREEZE_PARTS)})")
+        raise RecipeError(
+            f"training.freeze: every part of the policy is frozen{also}; nothing would train "
+            f"(parts: {', '.join(FREEZE_PARTS)})"
+        )
     if t.warmup.steps and t.warmup.target == "format" and {"language_model", "embeddings"} <= frozen:
-        raise RecipeError("training.warmup.target: the format warm-up trains only the language model, and "
-                          "training.freeze freezes all of it (language_model and embeddings); use target "
-                          "answer or training.warmup.steps=0")
+        raise RecipeError(
+            "training.warmup.target: the format warm-up trains only the language model, and "
+            "training.freeze freezes all of it (language_model and embeddings); use target "
+            "answer or training.warmup.steps=0"
+        )
 
 
 def validate(r: Recipe) -> None:
@@ -157,23 +245,31 @@ def validate(r: Recipe) -> None:
     import re
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", r.name):
-        raise RecipeError(f"name: {show(r.name)} must be letters, digits, '.', '_' or '-' (at most 100, not "
-                          f"starting with '.' or '-'): it names the default run folder runs/NAME-TIME")
+        raise RecipeError(
+            f"name: {show(r.name)} must be letters, digits, '.', '_' or '-' (at most 100, not "
+            f"starting with '.' or '-'): it names the default run folder runs/NAME-TIME"
+        )
     t = r.training
     # what the chosen parts are, and what they refuse, is their registered traits
     engine, rollout = TRAINING_ENGINES.get(t.engine), ROLLOUT_ENGINES.get(r.rollout.engine)
     algorithm = ALGORITHMS.get(r.algorithm.name)
     most = engine.trait("processes_max")
     if most is not None and t.nproc > most:
-        more = " or ".join(n for n in TRAINING_ENGINES.names() if TRAINING_ENGINES.get(n).trait("processes_max") is None)
-        raise RecipeError(f"training.nproc: the {t.engine} engine runs in "
-                          f"{'one process' if most == 1 else f'at most {most} processes'}; use training.engine "
-                          f"{more} for more")
+        more = " or ".join(
+            n for n in TRAINING_ENGINES.names() if TRAINING_ENGINES.get(n).trait("processes_max") is None
+        )
+        raise RecipeError(
+            f"training.nproc: the {t.engine} engine runs in "
+            f"{'one process' if most == 1 else f'at most {most} processes'}; use training.engine "
+            f"{more} for more"
+        )
     if algorithm.trait("advantages") == "critic" and not engine.trait("value_model"):
         able = " or ".join(n for n in TRAINING_ENGINES.names() if TRAINING_ENGINES.get(n).trait("value_model"))
-        raise RecipeError(f"algorithm.name: {r.algorithm.name} trains a value model (value head or separate critic) "
-                          f"with the {able} engine only; training.engine={t.engine!r} trains the policy alone "
-                          f"(use grpo, or training.engine={able})")
+        raise RecipeError(
+            f"algorithm.name: {r.algorithm.name} trains a value model (value head or separate critic) "
+            f"with the {able} engine only; training.engine={t.engine!r} trains the policy alone "
+            f"(use grpo, or training.engine={able})"
+        )
     if t.deepspeed.zero_stage == 0 and (t.deepspeed.bf16 or t.deepspeed.offload_optimizer):
         raise RecipeError("training.deepspeed.zero_stage: bf16 and offload_optimizer need zero_stage >= 1")
     tp = t.megatron.tensor_parallel
@@ -192,9 +288,11 @@ def validate(r: Recipe) -> None:
         raise RecipeError(f"rollout.n: {r.algorithm.name.upper()} needs at least {least} samples per prompt")
     batch = r.training.prompts_per_step * r.rollout.n
     if r.training.prompts_per_step % r.training.mini_batches:  # a GRPO group is never split
-        raise RecipeError(f"training.mini_batches: {r.training.prompts_per_step} prompts per step "
-                          f"({batch} trajectories) do not split into {r.training.mini_batches} "
-                          f"mini-batches of whole groups")
+        raise RecipeError(
+            f"training.mini_batches: {r.training.prompts_per_step} prompts per step "
+            f"({batch} trajectories) do not split into {r.training.mini_batches} "
+            f"mini-batches of whole groups"
+        )
     check_pattern(r.data.shards, "data.shards")
     if r.validation.shards is not None:
         check_pattern(r.validation.shards, "validation.shards")
@@ -205,13 +303,15 @@ def validate(r: Recipe) -> None:
         if r.pipeline.mode != "colocated":
             raise RecipeError(f"pipeline.mode: {name} has no rollouts to disaggregate; use colocated")
         if t.warmup.steps:
-            raise RecipeError(f"training.warmup.steps: {name} is the supervised stage itself; "
-                              "set its steps with training.steps")
+            raise RecipeError(
+                f"training.warmup.steps: {name} is the supervised stage itself; set its steps with training.steps"
+            )
         if r.algorithm.kl_coef:
             raise RecipeError(f"algorithm.kl_coef: the KL penalty is an RL term; {name} has none")
         if r.goal is not None and r.goal.metric == "reward_mean":
-            raise RecipeError(f"goal.metric: {name} has no training reward; check val_reward_mean "
-                              "(with validation.shards)")
+            raise RecipeError(
+                f"goal.metric: {name} has no training reward; check val_reward_mean (with validation.shards)"
+            )
     resolve_callable(r.algorithm.reward)
     validate_algorithm(r.algorithm)
 
@@ -222,8 +322,9 @@ def file_problems(r: Recipe) -> list[str]:
     these as notes, so a recipe for another machine (a GPU cluster) still validates here."""
     problems = []
     if r.data.demo is None and not expand_pattern(r.data.shards, "data.shards"):
-        problems.append(f"data.shards: no files match {show(r.data.shards)} (and data.demo is null, "
-                        f"so none will be generated)")
+        problems.append(
+            f"data.shards: no files match {show(r.data.shards)} (and data.demo is null, so none will be generated)"
+        )
     if r.validation.shards is not None and not expand_pattern(r.validation.shards, "validation.shards"):
         problems.append(f"validation.shards: no files match {show(r.validation.shards)}")
     if r.data.chat_template not in ("auto", "none") and not is_file(r.data.chat_template):
@@ -236,8 +337,9 @@ def file_problems(r: Recipe) -> list[str]:
         if not torch.cuda.is_available():
             problems.append(f"training.device: 'cuda' but torch {torch.__version__} sees no CUDA device here")
     if r.model.init_from is not None and not is_file(str(Path(r.model.init_from) / "config.json")):
-        problems.append(f"model.init_from: {show(r.model.init_from)} is not a local HF checkpoint folder "
-                        f"(no config.json)")
+        problems.append(
+            f"model.init_from: {show(r.model.init_from)} is not a local HF checkpoint folder (no config.json)"
+        )
     return problems
 
 

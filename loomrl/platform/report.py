@@ -5,6 +5,7 @@ panel shows the validation reward alone.
 `loomrl report DIR1 DIR2 ... --out FILE.png`: the runs overlaid, one line per run (its folder's
 name) in each panel of `COMPARE` (10-step means): reward, entropy, the rollout/trainer log-prob
 mismatch and the largest importance ratio, e.g. the same recipe under different rounding settings."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -108,8 +109,12 @@ def write_report(run_dir: Path) -> Path:
     return out
 
 
-COMPARE = (("reward_mean", "reward (mean per step)"), ("entropy", "entropy"),
-           ("logp_mismatch", "mean |rollout - trainer logp|"), ("is_ratio_max", "largest importance ratio"))
+COMPARE = (
+    ("reward_mean", "reward (mean per step)"),
+    ("entropy", "entropy"),
+    ("logp_mismatch", "mean |rollout - trainer logp|"),
+    ("is_ratio_max", "largest importance ratio"),
+)
 """The panels of `write_comparison`: (metrics key, title)."""
 
 

@@ -4,6 +4,7 @@ estimator (algorithms/base.py): a group estimator (GRPO, RLOO) on sequence rewar
 Runs after the micro-batches are laid out and their reference log-probs (and, for
 PPO, the critic's values) are filled, because the KL-in-reward and GAE need them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,8 @@ def assign_advantages(algorithm, group_size: int, rewards: torch.Tensor, trajs: 
         for t, v in zip(trajs, adv.tolist()):
             t.advantage = v
         for mb in mbs:
-            mb.advantages = to_device(torch.tensor([t.advantage for t in mb.trajectories], dtype=torch.float32),
-                                      mb.loss_mask.device)
+            mb.advantages = to_device(
+                torch.tensor([t.advantage for t in mb.trajectories], dtype=torch.float32), mb.loss_mask.device
+            )
         return stats
     raise ValueError(f"algorithm {a.name!r} computes no advantages (it has no rollouts)")

@@ -13,6 +13,7 @@
 Every algorithm trains with the same clipped policy loss (`grpo.policy_loss`); what differs is
 the advantage. A new estimator is one file that registers one function (docs/extending.md).
 """
+
 from __future__ import annotations
 
 from loomrl.config.registry import Registry

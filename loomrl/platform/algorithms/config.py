@@ -1,5 +1,6 @@
 """Settings of the RL algorithm (`algorithm`): GRPO / PPO / SFT, clipping, KL, importance correction,
 the reward sources; `validate_algorithm` checks the reward sources."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -108,19 +109,22 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
     for i, r in enumerate(a.rewards):
         key = f"algorithm.rewards[{i}]"
         if sum(x is not None for x in (r.fn, r.model, r.url)) != 1:
-            raise RecipeError(f"{key}: set exactly one of fn (a callable), model (a reward-model folder) and "
-                              f"url (a reward server)")
+            raise RecipeError(
+                f"{key}: set exactly one of fn (a callable), model (a reward-model folder) and url (a reward server)"
+            )
         if r.pattern is not None:
             if r.fn != "regex":
                 raise RecipeError(f"{key}.pattern: only the regex reward takes a pattern (fn: regex)")
             try:
                 re.compile(r.pattern, re.DOTALL)
             except (re.error, RecursionError, OverflowError, ValueError) as e:
-                raise RecipeError(f"{key}.pattern: {show(r.pattern)} is not a valid regular expression: "
-                                  f"{cut(str(e), 200)}") from None
+                raise RecipeError(
+                    f"{key}.pattern: {show(r.pattern)} is not a valid regular expression: {cut(str(e), 200)}"
+                ) from None
         elif r.fn == "regex":
-            raise RecipeError(f"{key}.pattern: fn: regex needs a pattern (the regular expression a completion "
-                              f"must fully match)")
+            raise RecipeError(
+                f"{key}.pattern: fn: regex needs a pattern (the regular expression a completion must fully match)"
+            )
         if r.fn is not None:
             resolve_callable(r.fn, f"{key}.fn", r)
         elif r.url is not None:
@@ -129,8 +133,7 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
             except ValueError as e:
                 raise RecipeError(f"{key}.url: {cut(str(e), 300)}") from None
         elif not is_file(str(Path(r.model) / "config.json")):
-            raise RecipeError(f"{key}.model: {show(r.model)} is not a local transformers model folder "
-                              f"(no config.json)")
+            raise RecipeError(f"{key}.model: {show(r.model)} is not a local transformers model folder (no config.json)")
         name = r.source_name()
         if name in names:
             raise RecipeError(f"{key}: a second source named {show(name)}; give each a distinct `name`")

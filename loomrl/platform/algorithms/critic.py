@@ -8,6 +8,7 @@
 Values are aligned with the log-probs: position t holds V of the prefix input_ids[:, :t+1],
 the state in which token t+1 is chosen, so `mask` selects the completion's states.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,7 @@ class Critic(nn.Module):
 
     def forward(self, mb) -> torch.Tensor:
         """Values [B, T-1] of a loomrl.platform.trajectory.batch.MicroBatch."""
-        _, _, hidden = self.body.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media,
-                                                   return_hidden=True)
+        _, _, hidden = self.body.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, return_hidden=True)
         return self.head(hidden)
 
 

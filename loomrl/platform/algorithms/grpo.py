@@ -4,6 +4,7 @@ reference, asymmetric clipping and three loss normalisations.
 
 Shapes: B trajectories, T token positions. `mask` is 1 on completion tokens.
 """
+
 from __future__ import annotations
 
 import torch

@@ -14,14 +14,21 @@ weights the PPO/GRPO surrogate:
             are dropped from the gradient (masked importance sampling, as IcePop in
             Ling Team 2025, "Every step evolves"; verl's rollout_is mask mode).
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def importance_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, mode: str,
-                       cap: float = 2.0, low: float = 0.5, high: float = 2.0
-                       ) -> tuple[torch.Tensor, dict[str, float]]:
+def importance_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token weights [B, T] (no gradient) and sums over the masked tokens:
     is_ratio_sum, is_clipped (ratio > cap, truncate mode), is_masked (outside the band,
     mask mode), and is_ratio_max (a max, not a sum)."""

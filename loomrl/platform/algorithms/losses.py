@@ -2,6 +2,7 @@
 with importance correction and an optional value head), a separate critic's, and the
 supervised (SFT) loss of the warm-up stage. Each returns (loss already scaled to its share
 of the mini-batch, summed stats)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -39,21 +40,37 @@ def policy_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead
 
     def loss_fn(model, mb):
         encodings = shared.encodings if shared is not None else None
-        out = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature, encodings,
-                                      return_hidden=value_head is not None)
+        out = model.sequence_logprobs(
+            mb.input_ids, mb.attention_mask, mb.media, temperature, encodings, return_hidden=value_head is not None
+        )
         logp, entropy = out[0], out[1]
         old = mb.old_logp if mb.old_logp is not None else logp.detach()
         # pi_old under the trainer vs the rollout engine that sampled the tokens
         weights, is_stats = importance_weights(old, mb.rollout_logp, mb.loss_mask, im.mode, im.cap, im.low, im.high)
         maxima["is_ratio_max"] = max(maxima["is_ratio_max"], is_stats.pop("is_ratio_max"))
-        normaliser = {"token": mb.normaliser, "sequence": mb.sequences,
-                      "constant": mb.sequences * recipe.rollout.max_new_tokens}[a.loss_norm]
-        loss, stats = policy_loss(logp, old, mb.advantages, mb.loss_mask, low, normaliser, mb.ref_logp, kl_coef,
-                                  high, None if im.mode == "none" else weights, a.loss_norm)
+        normaliser = {
+            "token": mb.normaliser,
+            "sequence": mb.sequences,
+            "constant": mb.sequences * recipe.rollout.max_new_tokens,
+        }[a.loss_norm]
+        loss, stats = policy_loss(
+            logp,
+            old,
+            mb.advantages,
+            mb.loss_mask,
+            low,
+            normaliser,
+            mb.ref_logp,
+            kl_coef,
+            high,
+            None if im.mode == "none" else weights,
+            a.loss_norm,
+        )
         stats.update(is_stats)
         if value_head is not None:
-            vloss, vstats = value_loss(value_head(out[2]), mb.values, mb.returns, mb.loss_mask,
-                                       a.ppo.value_clip, mb.normaliser)
+            vloss, vstats = value_loss(
+                value_head(out[2]), mb.values, mb.returns, mb.loss_mask, a.ppo.value_clip, mb.normaliser
+            )
             loss = loss + a.ppo.value_coef * vloss
             stats.update(vstats)
         m = mb.loss_mask

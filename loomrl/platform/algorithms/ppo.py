@@ -5,6 +5,7 @@ The policy side is the clipped surrogate in grpo.policy_loss, shared with GRPO.
 Shapes: B sequences, T token positions; `mask` is 1 where a position predicts a
 completion token, and each row's completion positions are contiguous.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,9 @@ from loomrl.platform.algorithms.base import ALGORITHMS
 from loomrl.platform.placement import to_device
 
 
-def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
-                  kl_coef: float = 0.0) -> torch.Tensor:
+def token_rewards(
+    rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
     """[B, T] rewards: the sequence reward on each row's last completion token, minus
     kl_coef * kl on every completion token (kl: a per-token estimate such as
     logp_rollout - logp_ref; InstructGPT's KL-in-reward, Ouyang et al. 2022)."""
@@ -30,8 +32,9 @@ def token_rewards(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | 
     return out
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns, [B, T], zero off the mask.
 
     delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, with
@@ -65,8 +68,14 @@ def whiten(xs: list[torch.Tensor], masks: list[torch.Tensor], eps: float = 1e-8)
     return [(x - mean) * torch.rsqrt(var + eps) * m for x, m in zip(xs, masks)]
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float, normaliser: float) -> tuple[torch.Tensor, dict[str, float]]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    normaliser: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """0.5 * max((V - R)^2, (V_clip - R)^2) per token with V_clip = V_old + clip(V - V_old,
     -clip, clip) (clip = 0: unclipped), summed over the mask / normaliser."""
     mask = mask.float()
@@ -78,8 +87,11 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         clipped_frac = float(((err_clip > err).float() * mask).sum())
         err = torch.maximum(err, err_clip)
     loss = 0.5 * (err * mask).sum() / normaliser
-    stats = {"value_loss_sum": float((0.5 * err.detach() * mask).sum()), "value_clipped_tokens": clipped_frac,
-             "value_sum": float((values.detach() * mask).sum())}
+    stats = {
+        "value_loss_sum": float((0.5 * err.detach() * mask).sum()),
+        "value_clipped_tokens": clipped_frac,
+        "value_sum": float((values.detach() * mask).sum()),
+    }
     return loss, stats
 
 

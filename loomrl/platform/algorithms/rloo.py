@@ -2,6 +2,7 @@
 baseline is the mean reward of the other samples of its prompt, A_i = r_i - mean_{j != i} r_j
 = G / (G - 1) x (r_i - mean(group)). Unbiased (the baseline does not depend on the sample's own
 reward) and not divided by the group's spread; trained with the same clipped policy loss as GRPO."""
+
 from __future__ import annotations
 
 import torch

@@ -19,6 +19,7 @@ rendering a two-turn conversation and reading the first special token after the
 assistant's text; SFT targets end with it too, so what SFT teaches is what rollouts stop at.
 Without a template, prompts are used as written and completions end at the tokenizer's EOS.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,7 +27,6 @@ from pathlib import Path
 from typing import Optional
 
 from loomrl.config import RecipeError
-
 from loomrl.datasets.config import DataConfig
 
 log = logging.getLogger("loomrl")
@@ -43,7 +43,9 @@ class ChatFormat:
         self.template = self._template(tokenizer, data.chat_template)
         if self.template is None and self.system_prompt:
             why = "is 'none'" if data.chat_template == "none" else "is 'auto' and the tokenizer has none"
-            raise RecipeError(f"data.system_prompt: needs a chat template to be placed in, but data.chat_template {why}")
+            raise RecipeError(
+                f"data.system_prompt: needs a chat template to be placed in, but data.chat_template {why}"
+            )
         self.stop_token_id = tokenizer.eos_token_id if self.template is None else self._end_of_turn()
 
     @staticmethod
@@ -64,11 +66,13 @@ class ChatFormat:
 
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
+            )
         except Exception as e:  # noqa: BLE001 - a Jinja template runs arbitrary logic: any failure is the template's
-            raise RecipeError(f"data.chat_template: the template fails to render a conversation: "
-                              f"{type(e).__name__}: {e}") from None
+            raise RecipeError(
+                f"data.chat_template: the template fails to render a conversation: {type(e).__name__}: {e}"
+            ) from None
 
     def _messages(self, text: str) -> list[dict]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -80,18 +84,24 @@ class ChatFormat:
         text = self._apply(self._messages("question") + [{"role": "assistant", "content": reply}], False)
         if reply not in text:
             raise RecipeError("data.chat_template: the template does not write the assistant's reply")
-        after = self.tokenizer(text[text.rindex(reply) + len(reply):], add_special_tokens=False)["input_ids"]
+        after = self.tokenizer(text[text.rindex(reply) + len(reply) :], add_special_tokens=False)["input_ids"]
         special = set(self.tokenizer.all_special_ids) | {
-            i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+            i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special
+        }
         special.discard(self.tokenizer.unk_token_id)  # text the vocabulary lacks, not a marker
         for i in after:
             if i in special:
                 return i
         if self.tokenizer.eos_token_id is None:
-            raise RecipeError("data.chat_template: no special token ends an assistant turn, and the tokenizer "
-                              "has no EOS token to stop completions at")
-        log.warning("[data] the chat template ends an assistant turn with no special token; completions stop at "
-                    "the tokenizer's EOS (%s)", self.tokenizer.eos_token)
+            raise RecipeError(
+                "data.chat_template: no special token ends an assistant turn, and the tokenizer "
+                "has no EOS token to stop completions at"
+            )
+        log.warning(
+            "[data] the chat template ends an assistant turn with no special token; completions stop at "
+            "the tokenizer's EOS (%s)",
+            self.tokenizer.eos_token,
+        )
         return self.tokenizer.eos_token_id
 
     def render(self, prompt: str) -> str:

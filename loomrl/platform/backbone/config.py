@@ -1,5 +1,6 @@
 """Settings of the policy model (`model`): the language backbone's sizes, where it rounds, LoRA,
 and the towers (encoders/config.py); `validate_model` checks the sizes that must fit together."""
+
 from __future__ import annotations
 
 import typing
@@ -138,12 +139,16 @@ def validate_model(m: ModelConfig) -> None:
     if m.num_heads % m.num_kv_heads or m.hidden_size % m.num_heads:
         raise RecipeError("model.num_heads: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
     if (m.hidden_size // m.num_heads) % 2:
-        raise RecipeError(f"model.num_heads: the head size hidden_size / num_heads = {m.hidden_size // m.num_heads} "
-                          f"must be even (RoPE rotates pairs)")
+        raise RecipeError(
+            f"model.num_heads: the head size hidden_size / num_heads = {m.hidden_size // m.num_heads} "
+            f"must be even (RoPE rotates pairs)"
+        )
     v = m.vision
     if v.embed_dim % v.num_heads or (v.embed_dim // v.num_heads) % 4:
-        raise RecipeError(f"model.vision.num_heads: the head size embed_dim / num_heads = {v.embed_dim} / "
-                          f"{v.num_heads} must be a whole multiple of 4 (the 2-D rotary embedding)")
+        raise RecipeError(
+            f"model.vision.num_heads: the head size embed_dim / num_heads = {v.embed_dim} / "
+            f"{v.num_heads} must be a whole multiple of 4 (the 2-D rotary embedding)"
+        )
     if v.min_pixels > v.max_pixels:
         raise RecipeError(f"model.vision.min_pixels: {v.min_pixels} is above model.vision.max_pixels={v.max_pixels}")
     au = m.audio
@@ -151,5 +156,7 @@ def validate_model(m: ModelConfig) -> None:
         raise RecipeError(f"model.audio.num_heads: d_model {au.d_model} must divide by num_heads {au.num_heads}")
     frames = round(au.clip_seconds * au.sample_rate / 160)  # as loomrl.encoders.audio.num_frames (10 ms hop)
     if (frames + frames % 2) // 4 < 1:
-        raise RecipeError(f"model.audio.clip_seconds: {au.clip_seconds} s at {au.sample_rate} Hz is shorter "
-                          f"than one audio token (4 mel frames of 10 ms)")
+        raise RecipeError(
+            f"model.audio.clip_seconds: {au.clip_seconds} s at {au.sample_rate} Hz is shorter "
+            f"than one audio token (4 mel frames of 10 ms)"
+        )

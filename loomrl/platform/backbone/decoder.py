@@ -24,6 +24,7 @@ grad). The recomputation is the same code on the same inputs, so the gradients a
 plain path's; such a forward returns no KV cache (it would hold every layer's keys and
 values until the end of the forward). Rollouts (no grad, eval mode) never checkpoint.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -72,13 +73,14 @@ class RMSNorm(nn.Module):
         return rounding.rms_norm(x, self.weight, self.eps, self.cfg.rounding.rmsnorm, residual)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
-                 mrope_section: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, mrope_section: Optional[list[int]] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 cos/sin of shape [B, T, head_dim] for integer positions [B, T], or [3, B, T]
     with `mrope_section` (frequency band i takes its angle from position row i % 3,
     as transformers' Qwen2-VL / Qwen2.5-VL text rotary embedding does)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if mrope_section is None:
         if position_ids.dim() != 2:
             raise ValueError(f"position ids must be [B, T] without mrope_section, got {list(position_ids.shape)}")

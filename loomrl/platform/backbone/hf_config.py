@@ -1,9 +1,11 @@
 """What a Hugging Face checkpoint folder (`model.init_from`) decides of the `model` section: its
 config.json's sizes and towers (with transformers' defaults for a key left out) and its
 preprocessor's pixel bounds, filled into the recipe or checked against what it sets."""
+
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import typing
 from pathlib import Path
@@ -12,8 +14,30 @@ from typing import Any
 from loomrl.config.schema import RecipeError, convert, cut, is_file, show
 from loomrl.platform.backbone.config import ModelConfig
 
+Row = tuple[str, Any, Path, str, bool]
+"""(key under `model`, value, file, what the file says, strict)."""
 
-def checkpoint_settings(folder: str, sample_rate: int = 16000) -> list[tuple[str, Any, Path, str, bool]]:
+
+def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file as a mapping; RecipeError naming it otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deeply, ...
+        raise RecipeError(f"model.init_from: {path}: cannot read it as JSON: {cut(str(e), 200)}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"model.init_from: {path}: not a JSON object")
+    return data
+
+
+def section(cfg: dict, key: str, path: Path) -> dict:
+    """config.json's `key` sub-mapping (missing: empty)."""
+    value = cfg.get(key) or {}
+    if not isinstance(value, dict):
+        raise RecipeError(f"model.init_from: {path}: {key} is not a mapping")
+    return value
+
+
+def checkpoint_settings(folder: str, sample_rate: int = 16000) -> list[Row]:
     """What a local checkpoint folder (model.init_from) decides of the `model` section, as rows
     (key under `model`, value, file, what the file says, strict). From config.json: the language
     model's sizes (`text_config` over top-level keys, as hf_io.decoder_config reads them); the
@@ -22,84 +46,104 @@ def checkpoint_settings(folder: str, sample_rate: int = 16000) -> list[tuple[str
     `vision.min_pixels` / `max_pixels`, not strict (the recipe may resize images otherwise; the
     tower takes any size). A key config.json leaves out has transformers' default. RecipeError
     naming the file when a file cannot be read, or describes a model loomrl cannot build."""
-    import json
-
-    from loomrl.encoders.audio import HOP
-    from loomrl.encoders.hf_checkpoint import CHECKPOINT_TOWERS, VISION_KINDS
+    from loomrl.encoders.hf_checkpoint import CHECKPOINT_TOWERS
     from loomrl.platform.backbone.hf_io import decoder_config
 
-    def read(path: Path) -> dict:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deeply, ...
-            raise RecipeError(f"model.init_from: {path}: cannot read it as JSON: {cut(str(e), 200)}") from None
-        if not isinstance(data, dict):
-            raise RecipeError(f"model.init_from: {path}: not a JSON object")
-        return data
-
-    def section(cfg: dict, key: str, path: Path) -> dict:
-        value = cfg.get(key) or {}
-        if not isinstance(value, dict):
-            raise RecipeError(f"model.init_from: {path}: {key} is not a mapping")
-        return value
-
     path = Path(folder) / "config.json"
-    cfg = read(path)
+    cfg = read_json(path)
     try:
         d = decoder_config(cfg, str(path))
     except (ValueError, TypeError, AttributeError, ZeroDivisionError) as e:  # a value of the wrong type
         text = str(e) if str(path) in str(e) else f"{path}: {type(e).__name__}: {e}"
         raise RecipeError(f"model.init_from: {cut(text, 300)}") from None
-    rows = [(key, value, path, f"{hf_key}: {show(value)}", True) for key, hf_key, value in (
-        ("hidden_size", "hidden_size", d.hidden_size), ("num_layers", "num_hidden_layers", d.num_layers),
-        ("num_heads", "num_attention_heads", d.num_heads), ("num_kv_heads", "num_key_value_heads", d.num_kv_heads),
-        ("intermediate_size", "intermediate_size", d.intermediate_size), ("rope_theta", "rope_theta", d.rope_theta),
-        ("rms_norm_eps", "rms_norm_eps", d.rms_norm_eps),
-        ("tie_word_embeddings", "tie_word_embeddings", d.tie_word_embeddings))]
+    rows = [
+        (key, value, path, f"{hf_key}: {show(value)}", True)
+        for key, hf_key, value in (
+            ("hidden_size", "hidden_size", d.hidden_size),
+            ("num_layers", "num_hidden_layers", d.num_layers),
+            ("num_heads", "num_attention_heads", d.num_heads),
+            ("num_kv_heads", "num_key_value_heads", d.num_kv_heads),
+            ("intermediate_size", "intermediate_size", d.intermediate_size),
+            ("rope_theta", "rope_theta", d.rope_theta),
+            ("rms_norm_eps", "rms_norm_eps", d.rms_norm_eps),
+            ("tie_word_embeddings", "tie_word_embeddings", d.tie_word_embeddings),
+        )
+    ]
     model_type = cfg["model_type"]  # decoder_config accepted it: a key of CHECKPOINT_TOWERS
     if "image" in CHECKPOINT_TOWERS[model_type]:
-        vc = section(cfg, "vision_config", path)
-        kind = vc.get("model_type")
-        if kind is not None and kind not in VISION_KINDS[model_type]:
-            raise RecipeError(f"model.init_from: {path}: a vision tower of kind {show(kind)}, which loomrl cannot "
-                              f"build for model_type {model_type} (it builds {', '.join(VISION_KINDS[model_type])})")
-        qwen2 = model_type == "qwen2_vl"
-        # transformers 5.19's Qwen2VLVisionConfig / Qwen2_5_VLVisionConfig defaults for a key left out
-        width, out = ("embed_dim", "hidden_size") if qwen2 else ("hidden_size", "out_hidden_size")
-        for key, hf_key, default in (("depth", "depth", 32), ("embed_dim", width, 1280 if qwen2 else 3584),
-                                     ("num_heads", "num_heads", 16), ("patch_size", "patch_size", 14),
-                                     ("temporal_patch_size", "temporal_patch_size", 2),
-                                     ("spatial_merge_size", "spatial_merge_size", 2)):
-            value = vc.get(hf_key, default)
-            rows.append((f"vision.{key}", value, path, f"vision_config.{hf_key}: {show(value)}", True))
-        if vc.get(out, 3584) != d.hidden_size:
-            raise RecipeError(f"model.init_from: {path}: vision_config.{out} {show(vc.get(out, 3584))} is not the "
-                              f"language model's hidden_size {show(d.hidden_size)} (the vision merger's output "
-                              f"is spliced into the language model)")
-        pre_path = Path(folder) / "preprocessor_config.json"
-        if is_file(str(pre_path)):
-            pre = read(pre_path)
-            size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
-            for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-                if key in pre:
-                    rows.append((f"vision.{key}", pre[key], pre_path, f"{key}: {show(pre[key])}", False))
-                elif edge in size:  # what newer transformers write
-                    rows.append((f"vision.{key}", size[edge], pre_path, f"size.{edge}: {show(size[edge])}", False))
+        rows += vision_rows(Path(folder), cfg, model_type, d.hidden_size)
     if "audio" in CHECKPOINT_TOWERS[model_type]:
-        ac = section(cfg, "audio_config", path)
-        # transformers 5.19's Qwen2AudioEncoderConfig defaults for a key left out
-        for key, hf_key, default in (("layers", "encoder_layers", 32), ("d_model", "d_model", 1280),
-                                     ("num_heads", "encoder_attention_heads", 20), ("ffn_dim", "encoder_ffn_dim", 5120),
-                                     ("num_mel_bins", "num_mel_bins", 128)):
-            value = ac.get(hf_key, default)
-            rows.append((f"audio.{key}", value, path, f"audio_config.{hf_key}: {show(value)}", True))
-        positions = ac.get("max_source_positions", 1500)
-        if isinstance(positions, bool) or not isinstance(positions, int) or not 1 <= positions <= 10**7:
-            raise RecipeError(f"model.init_from: {path}: audio_config.max_source_positions {show(positions)} is "
-                              f"not a positive integer")
-        clip = positions * 2 * HOP / sample_rate  # 2 mel frames per position, one frame per HOP samples
-        rows.append(("audio.clip_seconds", clip, path, f"audio_config.max_source_positions: {positions}, "
-                     f"{clip:g} s at model.audio.sample_rate {sample_rate} Hz", True))
+        rows += audio_rows(path, section(cfg, "audio_config", path), sample_rate)
+    return rows
+
+
+def vision_rows(folder: Path, cfg: dict, model_type: str, hidden_size: int) -> list[Row]:
+    """The vision tower's sizes (Qwen2-VL / Qwen2.5-VL config.json) and the preprocessor's pixel bounds."""
+    from loomrl.encoders.hf_checkpoint import VISION_KINDS
+
+    path = folder / "config.json"
+    vc = section(cfg, "vision_config", path)
+    kind = vc.get("model_type")
+    if kind is not None and kind not in VISION_KINDS[model_type]:
+        raise RecipeError(
+            f"model.init_from: {path}: a vision tower of kind {show(kind)}, which loomrl cannot "
+            f"build for model_type {model_type} (it builds {', '.join(VISION_KINDS[model_type])})"
+        )
+    qwen2 = model_type == "qwen2_vl"
+    # transformers 5.19's Qwen2VLVisionConfig / Qwen2_5_VLVisionConfig defaults for a key left out
+    width, out = ("embed_dim", "hidden_size") if qwen2 else ("hidden_size", "out_hidden_size")
+    rows = []
+    for key, hf_key, default in (
+        ("depth", "depth", 32),
+        ("embed_dim", width, 1280 if qwen2 else 3584),
+        ("num_heads", "num_heads", 16),
+        ("patch_size", "patch_size", 14),
+        ("temporal_patch_size", "temporal_patch_size", 2),
+        ("spatial_merge_size", "spatial_merge_size", 2),
+    ):
+        value = vc.get(hf_key, default)
+        rows.append((f"vision.{key}", value, path, f"vision_config.{hf_key}: {show(value)}", True))
+    if vc.get(out, 3584) != hidden_size:
+        raise RecipeError(
+            f"model.init_from: {path}: vision_config.{out} {show(vc.get(out, 3584))} is not the "
+            f"language model's hidden_size {show(hidden_size)} (the vision merger's output "
+            f"is spliced into the language model)"
+        )
+    pre_path = folder / "preprocessor_config.json"
+    if is_file(str(pre_path)):
+        pre = read_json(pre_path)
+        size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if key in pre:
+                rows.append((f"vision.{key}", pre[key], pre_path, f"{key}: {show(pre[key])}", False))
+            elif edge in size:  # what newer transformers write
+                rows.append((f"vision.{key}", size[edge], pre_path, f"size.{edge}: {show(size[edge])}", False))
+    return rows
+
+
+def audio_rows(path: Path, ac: dict, sample_rate: int) -> list[Row]:
+    """The audio tower's sizes (Qwen2-Audio config.json's audio_config); its positions fix the clip length."""
+    from loomrl.encoders.audio import HOP
+
+    rows: list[Row] = []
+    # transformers 5.19's Qwen2AudioEncoderConfig defaults for a key left out
+    for key, hf_key, default in (
+        ("layers", "encoder_layers", 32),
+        ("d_model", "d_model", 1280),
+        ("num_heads", "encoder_attention_heads", 20),
+        ("ffn_dim", "encoder_ffn_dim", 5120),
+        ("num_mel_bins", "num_mel_bins", 128),
+    ):
+        value = ac.get(hf_key, default)
+        rows.append((f"audio.{key}", value, path, f"audio_config.{hf_key}: {show(value)}", True))
+    positions = ac.get("max_source_positions", 1500)
+    if isinstance(positions, bool) or not isinstance(positions, int) or not 1 <= positions <= 10**7:
+        raise RecipeError(
+            f"model.init_from: {path}: audio_config.max_source_positions {show(positions)} is not a positive integer"
+        )
+    clip = positions * 2 * HOP / sample_rate  # 2 mel frames per position, one frame per HOP samples
+    says = f"audio_config.max_source_positions: {positions}, {clip:g} s at model.audio.sample_rate {sample_rate} Hz"
+    rows.append(("audio.clip_seconds", clip, path, says, True))
     return rows
 
 
@@ -129,9 +173,13 @@ def fill_from_checkpoint(m: ModelConfig, given: Any) -> None:
         mine = getattr(target, name)
         same = math.isclose(mine, value, rel_tol=1e-6) if isinstance(value, float) else mine == value
         if strict and not same:
-            raise RecipeError(f"model.{key}: {show(mine)} conflicts with {path} ({says}); leave it out to take "
-                              f"the checkpoint's")
+            raise RecipeError(
+                f"model.{key}: {show(mine)} conflicts with {path} ({says}); leave it out to take the checkpoint's"
+            )
     folder = Path(m.init_from)
-    if "tokenizer" not in given and m.tokenizer == "demo" and any(
-            is_file(str(folder / name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+    if (
+        "tokenizer" not in given
+        and m.tokenizer == "demo"
+        and any(is_file(str(folder / name)) for name in ("tokenizer.json", "tokenizer_config.json"))
+    ):
         m.tokenizer = m.init_from

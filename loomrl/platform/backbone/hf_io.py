@@ -16,6 +16,7 @@ loader ties the head to the embedding it reads. A folder is written next to
 its destination and renamed into place, so a crash never leaves a half folder.
 A decoder with LoRA adapters (`lora.py`) is written merged: the plain layout, no lora_* keys.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,11 +36,11 @@ DEFAULT_MAX_SHARD_BYTES = 4 << 30
 # Prefixes under which checkpoints keep the language model, mapped to Qwen2ForCausalLM's.
 # The longest match wins (Qwen2-Audio as transformers 5.19 writes it nests `model.model.`).
 _LM_PREFIXES = {
-    "language_model.model.model.": "model.",   # Qwen2-Audio, transformers 5.19's save_pretrained
-    "language_model.model.": "model.",         # Qwen2-Audio, hub layout
+    "language_model.model.model.": "model.",  # Qwen2-Audio, transformers 5.19's save_pretrained
+    "language_model.model.": "model.",  # Qwen2-Audio, hub layout
     "language_model.lm_head.": "lm_head.",
-    "model.language_model.": "model.",         # Qwen2-VL family, transformers 5 module names
-    "model.": "model.",                        # Qwen2, Qwen2-VL family hub layout
+    "model.language_model.": "model.",  # Qwen2-VL family, transformers 5 module names
+    "model.": "model.",  # Qwen2, Qwen2-VL family hub layout
     "lm_head.": "lm_head.",
 }
 _NOT_LM = ("model.visual.", "model.audio_tower.", "model.multi_modal_projector.")
@@ -70,13 +71,18 @@ def decoder_config(cfg: dict, where: str = "config.json") -> DecoderConfig:
         tie = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False))
         mrope = rope.get("mrope_section")
         return DecoderConfig(
-            vocab_size=t["vocab_size"], hidden_size=hidden, num_layers=t["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=t.get("num_key_value_heads", heads),
+            vocab_size=t["vocab_size"],
+            hidden_size=hidden,
+            num_layers=t["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=t.get("num_key_value_heads", heads),
             intermediate_size=t["intermediate_size"],
             rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(tie),
+            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(tie),
             mrope_section=list(mrope) if mrope is not None else None,
-            max_position_embeddings=int(t.get("max_position_embeddings", 32768)))
+            max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
+        )
     except KeyError as e:
         raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
 
@@ -91,7 +97,7 @@ def language_model_state(folder: str | Path) -> dict[str, torch.Tensor]:
         prefix = max((p for p in _LM_PREFIXES if key.startswith(p)), key=len, default=None)
         if prefix is None:
             continue  # a tower, a projector: not the language model's
-        name = _LM_PREFIXES[prefix] + key[len(prefix):]
+        name = _LM_PREFIXES[prefix] + key[len(prefix) :]
         if name in out:
             raise ValueError(f"{folder}: tensor {name} appears under two prefixes")
         out[name] = value
@@ -110,8 +116,10 @@ def load_language_model(folder: str | Path, dtype: Optional[torch.dtype] = None)
     missing, unexpected = decoder.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"{folder}: language model tensors do not fit config.json: "
-                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(
+            f"{folder}: language model tensors do not fit config.json: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
     if dtype is None:
         dtype = state["model.embed_tokens.weight"].dtype
     return decoder.to(dtype).eval()
@@ -126,14 +134,25 @@ def load_policy(model, folder: str | Path) -> None:
     src = load_language_model(folder, next(model.parameters()).dtype)
     dst = model.language_model
     # the recipe key of each size (vocab_size: the checkpoint's own config, read when the VLM was built)
-    keys = {"vocab_size": "vocab_size", "hidden_size": "model.hidden_size", "num_layers": "model.num_layers",
-            "num_heads": "model.num_heads", "num_kv_heads": "model.num_kv_heads",
-            "intermediate_size": "model.intermediate_size", "tie_word_embeddings": "model.tie_word_embeddings"}
-    differ = [f"{key} {getattr(dst.cfg, name)!r} (checkpoint: {getattr(src.cfg, name)!r})"
-              for name, key in keys.items() if getattr(src.cfg, name) != getattr(dst.cfg, name)]
+    keys = {
+        "vocab_size": "vocab_size",
+        "hidden_size": "model.hidden_size",
+        "num_layers": "model.num_layers",
+        "num_heads": "model.num_heads",
+        "num_kv_heads": "model.num_kv_heads",
+        "intermediate_size": "model.intermediate_size",
+        "tie_word_embeddings": "model.tie_word_embeddings",
+    }
+    differ = [
+        f"{key} {getattr(dst.cfg, name)!r} (checkpoint: {getattr(src.cfg, name)!r})"
+        for name, key in keys.items()
+        if getattr(src.cfg, name) != getattr(dst.cfg, name)
+    ]
     if differ:
-        raise ValueError(f"{folder}/config.json: the checkpoint's language model does not fit the recipe's: "
-                         f"{', '.join(differ)}; leave these keys out of the recipe to take the checkpoint's")
+        raise ValueError(
+            f"{folder}/config.json: the checkpoint's language model does not fit the recipe's: "
+            f"{', '.join(differ)}; leave these keys out of the recipe to take the checkpoint's"
+        )
     for name in ("rope_theta", "rms_norm_eps", "mrope_section"):
         setattr(dst.cfg, name, getattr(src.cfg, name))
     for m in dst.modules():  # the norms copied their epsilon when built
@@ -141,8 +160,11 @@ def load_policy(model, folder: str | Path) -> None:
             m.eps = src.cfg.rms_norm_eps
     dst.load_state_dict(src.state_dict())
     model_type = read_config(folder)["model_type"]
-    attach_towers(model, vision_folder=folder if model_type in ("qwen2_vl", "qwen2_5_vl") else None,
-                  audio_folder=folder if model_type == "qwen2_audio" else None)
+    attach_towers(
+        model,
+        vision_folder=folder if model_type in ("qwen2_vl", "qwen2_5_vl") else None,
+        audio_folder=folder if model_type == "qwen2_audio" else None,
+    )
 
 
 # --------------------------------------------------------------------------- export
@@ -158,19 +180,33 @@ def text_config(cfg: DecoderConfig, dtype: torch.dtype) -> dict:
     if cfg.mrope_section is not None:
         rope["mrope_section"] = list(cfg.mrope_section)
     return {
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_parameters": rope,
-        "use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": _dtype_name(dtype),
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "torch_dtype": _dtype_name(dtype),
         "dtype": _dtype_name(dtype),
     }
 
 
-def decoder_tensors(decoder: Decoder, prefix_model: str = "model.", prefix_head: str = "lm_head.",
-                    dtype: Optional[torch.dtype] = None, tied_head: bool = False) -> dict[str, torch.Tensor]:
+def decoder_tensors(
+    decoder: Decoder,
+    prefix_model: str = "model.",
+    prefix_head: str = "lm_head.",
+    dtype: Optional[torch.dtype] = None,
+    tied_head: bool = False,
+) -> dict[str, torch.Tensor]:
     """The decoder's tensors under checkpoint names; `lm_head.weight` only when untied, or when
     tied_head asks for it too. LoRA adapters are merged into their weights (`lora.merged_state_dict`:
     a plain Qwen2 layout, no lora_* keys), so every export and vLLM sync sees W + B @ A * scale."""
@@ -180,16 +216,24 @@ def decoder_tensors(decoder: Decoder, prefix_model: str = "model.", prefix_head:
     for name, t in merged_state_dict(decoder).items():
         if name == "lm_head.weight" and decoder.cfg.tie_word_embeddings and not tied_head:
             continue
-        key = prefix_head + name[len("lm_head."):] if name.startswith("lm_head.") \
-            else prefix_model + name[len("model."):]
+        key = (
+            prefix_head + name[len("lm_head.") :]
+            if name.startswith("lm_head.")
+            else prefix_model + name[len("model.") :]
+        )
         out[key] = t.detach().to(dtype or t.dtype).contiguous()
         if name == "lm_head.weight" and decoder.cfg.tie_word_embeddings:
             out[key] = out[key].clone()  # safetensors refuses two names for one storage
     return out
 
 
-def write_folder(folder: str | Path, config: dict, tensors: dict[str, torch.Tensor],
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+def write_folder(
+    folder: str | Path,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
     """Write config.json + safetensors (sharded with an index past `max_shard_bytes`) into
     `folder`, atomically: filled beside it, fsynced, then renamed into place. An existing
     folder is refused unless `overwrite`."""
@@ -223,7 +267,8 @@ def write_folder(folder: str | Path, config: dict, tensors: dict[str, torch.Tens
             weight_map.update({k: fname for k in shard})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     for p in tmp.iterdir():
         fd = os.open(p, os.O_RDONLY)
@@ -239,9 +284,14 @@ def write_folder(folder: str | Path, config: dict, tensors: dict[str, torch.Tens
     return folder
 
 
-def export_language_model(decoder: Decoder, folder: str | Path, dtype: Optional[torch.dtype] = None,
-                          token_ids: Optional[dict] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                          overwrite: bool = False) -> Path:
+def export_language_model(
+    decoder: Decoder,
+    folder: str | Path,
+    dtype: Optional[torch.dtype] = None,
+    token_ids: Optional[dict] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
     """Write `decoder` as a Qwen2ForCausalLM folder (config.json + safetensors, no tokenizer) that
     transformers and vLLM load.
 
@@ -249,14 +299,24 @@ def export_language_model(decoder: Decoder, folder: str | Path, dtype: Optional[
     `eos_token_id`, `pad_token_id` for config.json. A decoder with M-RoPE is written without
     `mrope_section` (a text-only Qwen2 model has none; for text positions it is the same RoPE)."""
     dtype = dtype or next(decoder.parameters()).dtype
-    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-           **text_config(decoder.cfg, dtype), **(token_ids or {})}
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **text_config(decoder.cfg, dtype),
+        **(token_ids or {}),
+    }
     cfg["rope_parameters"].pop("mrope_section", None)
     return write_folder(folder, cfg, decoder_tensors(decoder, dtype=dtype), max_shard_bytes, overwrite)
 
 
-def export_policy(model, folder: str | Path, modality: str, dtype: Optional[torch.dtype] = None,
-                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False) -> Path:
+def export_policy(
+    model,
+    folder: str | Path,
+    modality: str,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
     """Write a loomrl VLM as the HF model of one modality: "image" -> Qwen2-VL or Qwen2.5-VL
     (by the vision tower's type; language model + `visual.*`), "audio" -> Qwen2-Audio (language
     model + `audio_tower.*` + `multi_modal_projector.linear.*`), "text" -> Qwen2ForCausalLM."""
@@ -272,33 +332,50 @@ def export_policy(model, folder: str | Path, modality: str, dtype: Optional[torc
     towers = {"image": model.visual, "audio": model.audio_tower}
     if modality in towers and towers[modality] is None:
         can = [m for m, t in towers.items() if t is not None] + ["text"]
-        raise ValueError(f"the policy has no {'vision' if modality == 'image' else 'audio'} tower to export as "
-                         f"modality {modality!r} (model.init_from={model.cfg.init_from!r}); it exports as "
-                         f"{' or '.join(can)}")
+        raise ValueError(
+            f"the policy has no {'vision' if modality == 'image' else 'audio'} tower to export as "
+            f"modality {modality!r} (model.init_from={model.cfg.init_from!r}); it exports as "
+            f"{' or '.join(can)}"
+        )
     if modality == "image":
         vision = model.visual.config.to_dict()
-        model_type = {"qwen2_vl": "qwen2_vl", "qwen2_vl_vision": "qwen2_vl",
-                          "qwen2_5_vl_vision": "qwen2_5_vl"}.get(vision.get("model_type"))
+        model_type = {"qwen2_vl": "qwen2_vl", "qwen2_vl_vision": "qwen2_vl", "qwen2_5_vl_vision": "qwen2_5_vl"}.get(
+            vision.get("model_type")
+        )
         if model_type is None:
             raise ValueError(f"vision tower of type {vision.get('model_type')!r} has no HF model to export to")
         arch = "Qwen2VLForConditionalGeneration" if model_type == "qwen2_vl" else "Qwen2_5_VLForConditionalGeneration"
         if lm.cfg.mrope_section is None:  # Qwen2-VL needs one; text positions make it plain RoPE
             half = lm.cfg.head_dim // 2
             text["rope_parameters"]["mrope_section"] = [half - 2 * (half // 4), half // 4, half // 4]
-        config = {"architectures": [arch], "model_type": model_type, "text_config": dict(text),
-                  "vision_config": vision, "image_token_id": model.image_token_id,
-                  "tie_word_embeddings": lm.cfg.tie_word_embeddings, "torch_dtype": text["dtype"],
-                  "dtype": text["dtype"]}
+        config = {
+            "architectures": [arch],
+            "model_type": model_type,
+            "text_config": dict(text),
+            "vision_config": vision,
+            "image_token_id": model.image_token_id,
+            "tie_word_embeddings": lm.cfg.tie_word_embeddings,
+            "torch_dtype": text["dtype"],
+            "dtype": text["dtype"],
+        }
         tensors = {**decoder_tensors(lm, dtype=dtype), **tower_tensors(model.visual, "visual.")}
     elif modality == "audio":
-        config = {"architectures": ["Qwen2AudioForConditionalGeneration"], "model_type": "qwen2_audio",
-                  "text_config": {"model_type": "qwen2", **text}, "audio_config": model.audio_tower.config.to_dict(),
-                  "audio_token_index": model.audio_token_id, "tie_word_embeddings": lm.cfg.tie_word_embeddings,
-                  "torch_dtype": text["dtype"], "dtype": text["dtype"]}
+        config = {
+            "architectures": ["Qwen2AudioForConditionalGeneration"],
+            "model_type": "qwen2_audio",
+            "text_config": {"model_type": "qwen2", **text},
+            "audio_config": model.audio_tower.config.to_dict(),
+            "audio_token_index": model.audio_token_id,
+            "tie_word_embeddings": lm.cfg.tie_word_embeddings,
+            "torch_dtype": text["dtype"],
+            "dtype": text["dtype"],
+        }
         # transformers 5.19 does not re-tie Qwen2-Audio's head on load (it stays random): always write it
-        tensors = {**decoder_tensors(lm, "language_model.model.", "language_model.lm_head.", dtype, tied_head=True),
-                   **tower_tensors(model.audio_tower, "audio_tower."),
-                   **tower_tensors(model.audio_projector, "multi_modal_projector.linear.")}
+        tensors = {
+            **decoder_tensors(lm, "language_model.model.", "language_model.lm_head.", dtype, tied_head=True),
+            **tower_tensors(model.audio_tower, "audio_tower."),
+            **tower_tensors(model.audio_projector, "multi_modal_projector.linear."),
+        }
     else:
         raise ValueError(f"modality {modality!r}: expected 'text', 'image' or 'audio'")
     return write_folder(folder, config, tensors, max_shard_bytes, overwrite)

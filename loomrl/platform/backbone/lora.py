@@ -31,6 +31,7 @@ Where the weights go:
   disaggregated weight messages (rollout workers build the same LoRA policy from the
   recipe) use the modules and the full state dict (base + adapters) as they are.
 """
+
 from __future__ import annotations
 
 import contextlib

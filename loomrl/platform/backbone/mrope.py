@@ -8,6 +8,7 @@ gets position 0 and is never attended to. Generated tokens continue from the pro
 position = (index among the row's real tokens) + delta, delta = max position + 1 - real
 tokens, the `mrope_position_deltas` of transformers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,13 @@ def image_positions(start: int, grid_thw: torch.Tensor, merge: int) -> torch.Ten
     return torch.stack([tt, hh, ww]).reshape(3, -1) + start
 
 
-def rope_index(input_ids: torch.Tensor, attention_mask: torch.Tensor, row_grids: list[list[torch.Tensor]],
-               image_token_id: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_index(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    row_grids: list[list[torch.Tensor]],
+    image_token_id: int,
+    merge: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [3, B, T] and deltas [B] for left- or right-padded rows.
 
     row_grids[b]: the (t, h, w) patch grids of row b's images, in prompt order; each image
@@ -54,7 +60,9 @@ def rope_index(input_ids: torch.Tensor, attention_mask: torch.Tensor, row_grids:
             raise ValueError(f"row {r}: more images than image placeholders")
         row = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
         if row.shape[1] != len(ids):
-            raise ValueError(f"row {r}: an image's placeholders are cut off ({row.shape[1]} positions, {len(ids)} tokens)")
+            raise ValueError(
+                f"row {r}: an image's placeholders are cut off ({row.shape[1]} positions, {len(ids)} tokens)"
+            )
         positions[:, r, real] = row
         deltas[r] = (int(row.max()) + 1 if len(ids) else 0) - len(ids)
     return positions, deltas

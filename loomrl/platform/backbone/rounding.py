@@ -26,6 +26,7 @@ working dtype is narrower than FP32.
 Every function is a plain function of tensors so that any layer implementation
 (the built-in decoder, a Megatron layer spec) can call it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +44,9 @@ def _check(mode: str, region: str) -> None:
         raise ValueError(f"rounding mode for {region}: {mode!r} is not one of {list(MODES)}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: Mode,
-             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, mode: Mode, residual: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add + RMSNorm region: `(norm(x + residual) * weight, x + residual)`.
 
     residual=None: just the norm of `x`; the returned residual stream is `x` itself.
@@ -113,8 +115,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode,
-               mrope: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode, mrope: bool = False) -> torch.Tensor:
     """The RoPE region (neox / rotate-half style): `x * cos + rotate_half(x) * sin`, in x's dtype.
 
     cos/sin must broadcast against x (e.g. [B, 1, T, D] for x [B, H, T, D]); the built-in

@@ -8,6 +8,7 @@ a Qwen2-VL / Qwen2.5-VL checkpoint writes an image as `<|vision_start|>`, its
 placeholders (`image_token_id`), `<|vision_end|>`; Qwen2-Audio writes a clip as
 `<|audio_bos|>`, its placeholders (`audio_token_index`), `<|audio_eos|>`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,8 +29,13 @@ def build_word_tokenizer(words: list[str]):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces, as written
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, clean_up_tokenization_spaces=False, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-        additional_special_tokens=[IMAGE_MARKER, AUDIO_MARKER])
+        tokenizer_object=tok,
+        clean_up_tokenization_spaces=False,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        additional_special_tokens=[IMAGE_MARKER, AUDIO_MARKER],
+    )
 
 
 def load_tokenizer(spec: str):
@@ -55,8 +61,9 @@ def _token_id(tokenizer, token: str) -> Optional[int]:
     return None if i is None or (i == tokenizer.unk_token_id and token != tokenizer.unk_token) else i
 
 
-def media_layout(tokenizer, hf_config: Optional[dict] = None,
-                 where: str = "config.json") -> dict[str, Optional[MediaTokens]]:
+def media_layout(
+    tokenizer, hf_config: Optional[dict] = None, where: str = "config.json"
+) -> dict[str, Optional[MediaTokens]]:
     """MediaTokens for "image" and "audio"; None for a medium the model cannot read.
 
     hf_config: the checkpoint's config.json (model.init_from). Its `image_token_id`
@@ -77,17 +84,23 @@ def media_layout(tokenizer, hf_config: Optional[dict] = None,
             image = MediaTokens(
                 checked("image_token_id", hf_config["image_token_id"]),
                 tuple(checked(k, hf_config[k]) for k in ("vision_start_token_id",) if k in hf_config),
-                tuple(checked(k, hf_config[k]) for k in ("vision_end_token_id",) if k in hf_config))
+                tuple(checked(k, hf_config[k]) for k in ("vision_end_token_id",) if k in hf_config),
+            )
         if "audio_token_index" in hf_config:
             bos, eos = _token_id(tokenizer, "<|audio_bos|>"), _token_id(tokenizer, "<|audio_eos|>")
-            audio = MediaTokens(checked("audio_token_index", hf_config["audio_token_index"]),
-                                () if bos is None else (bos,), () if eos is None else (eos,))
+            audio = MediaTokens(
+                checked("audio_token_index", hf_config["audio_token_index"]),
+                () if bos is None else (bos,),
+                () if eos is None else (eos,),
+            )
         return {"image": image, "audio": audio}
     out: dict[str, Optional[MediaTokens]] = {}
     for kind, marker in (("image", IMAGE_MARKER), ("audio", AUDIO_MARKER)):
         i = _token_id(tokenizer, marker)
         out[kind] = None if i is None else MediaTokens(i)
     if out["image"] is None and out["audio"] is None:
-        raise ValueError(f"tokenizer has neither {IMAGE_MARKER} nor {AUDIO_MARKER} token, and model.init_from "
-                         "names no checkpoint whose config.json gives the media tokens")
+        raise ValueError(
+            f"tokenizer has neither {IMAGE_MARKER} nor {AUDIO_MARKER} token, and model.init_from "
+            "names no checkpoint whose config.json gives the media tokens"
+        )
     return out

@@ -31,6 +31,7 @@ vision, merger and audio (those the model has). A tower with no trainable weight
 eval mode (deterministic, cacheable across steps). `set_activation_checkpointing`
 recomputes decoder layers and the blocks of trained towers in the backward.
 """
+
 from __future__ import annotations
 
 import re
@@ -45,13 +46,13 @@ from loomrl.encoders.cache import EncodeStats, EncodingCache, Encodings, encode_
 from loomrl.encoders.hf_checkpoint import audio_tower_of, checkpoint_towers, vision_tower_of
 from loomrl.encoders.media import Medium, settings_fingerprint
 from loomrl.encoders.vision import build_vision_tower, encode_images, num_image_tokens
-from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, KVCache
-from loomrl.platform.backbone.rounding import Regions
-from loomrl.platform.backbone.mrope import rope_index
-from loomrl.platform.placement import to_device, to_host
-from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER, media_layout
 from loomrl.platform.backbone.config import DEFAULT_ROUNDING, ModelConfig
+from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, KVCache
+from loomrl.platform.backbone.mrope import rope_index
+from loomrl.platform.backbone.rounding import Regions
+from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER, media_layout
 from loomrl.platform.engines.config import ENCODER_PARTS, FREEZE_PARTS
+from loomrl.platform.placement import to_device, to_host
 
 # Encodings for `embed`: by Medium.key (deduplicated), or one per media placement, row-major (naive).
 MediaEncodings = Union[Encodings, list[torch.Tensor]]
@@ -90,16 +91,24 @@ class VLM(nn.Module):
 
             vocab_size = decoder_config(hf_config, where).vocab_size
             if vocab_size < len(tokenizer):
-                raise ValueError(f"{where}: vocab_size {vocab_size} is smaller than the tokenizer "
-                                 f"{cfg.tokenizer!r} ({len(tokenizer)} tokens)")
+                raise ValueError(
+                    f"{where}: vocab_size {vocab_size} is smaller than the tokenizer "
+                    f"{cfg.tokenizer!r} ({len(tokenizer)} tokens)"
+                )
         # Never generated, by the rollout engine and in the trainer's log-probs alike, so
         # both see the same distribution: padding, unknown, media placeholders, and the
         # embedding rows a checkpoint pads its vocabulary with (no token has them). Never
         # end-of-sequence, which Qwen tokenizers may also use as padding.
-        banned = {self.pad_token_id, tokenizer.unk_token_id, self.image_token_id, self.audio_token_id,
-                  *range(len(tokenizer), vocab_size)} - {self.eos_token_id}
-        self.register_buffer("banned_token_ids", torch.tensor(sorted(i for i in banned if i is not None)),
-                             persistent=False)
+        banned = {
+            self.pad_token_id,
+            tokenizer.unk_token_id,
+            self.image_token_id,
+            self.audio_token_id,
+            *range(len(tokenizer), vocab_size),
+        } - {self.eos_token_id}
+        self.register_buffer(
+            "banned_token_ids", torch.tensor(sorted(i for i in banned if i is not None)), persistent=False
+        )
         self.visual: Optional[nn.Module] = None
         self.audio_tower: Optional[nn.Module] = None
         self.audio_projector: Optional[nn.Linear] = None  # Qwen2-Audio's multi_modal_projector.linear
@@ -111,16 +120,35 @@ class VLM(nn.Module):
             self.visual = vision_tower_of(hf_config, where)
         elif "audio" in kinds:
             self.audio_tower, self.audio_projector = audio_tower_of(hf_config, where)
-        self.language_model = Decoder(DecoderConfig(
-            vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-            intermediate_size=cfg.intermediate_size, rope_theta=cfg.rope_theta,
-            rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
-            rounding=Regions(*(DEFAULT_ROUNDING if m == "auto" else m for m in (
-                # a recipe resolved `auto` by its rollout engine already; a ModelConfig alone: the built-in's
-                cfg.rounding.rope, cfg.rounding.swiglu, cfg.rounding.rmsnorm, cfg.rounding.attention)))))
-        for m in [*([self.audio_projector] if self.audio_projector is not None else []),
-                  *self.language_model.modules()]:
+        self.language_model = Decoder(
+            DecoderConfig(
+                vocab_size=vocab_size,
+                hidden_size=cfg.hidden_size,
+                num_layers=cfg.num_layers,
+                num_heads=cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads,
+                intermediate_size=cfg.intermediate_size,
+                rope_theta=cfg.rope_theta,
+                rms_norm_eps=cfg.rms_norm_eps,
+                tie_word_embeddings=cfg.tie_word_embeddings,
+                rounding=Regions(
+                    *(
+                        DEFAULT_ROUNDING if m == "auto" else m
+                        for m in (
+                            # a recipe resolved `auto` by its rollout engine; a ModelConfig alone: the built-in's
+                            cfg.rounding.rope,
+                            cfg.rounding.swiglu,
+                            cfg.rounding.rmsnorm,
+                            cfg.rounding.attention,
+                        )
+                    )
+                ),
+            )
+        )
+        for m in [
+            *([self.audio_projector] if self.audio_projector is not None else []),
+            *self.language_model.modules(),
+        ]:
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=cfg.init_std)
             if isinstance(m, nn.Linear) and m.bias is not None:
@@ -156,8 +184,7 @@ class VLM(nn.Module):
         if self.audio_projector is not None:
             parts["audio_projector"] = list(self.audio_projector.parameters())
         embeddings = self.language_model.embedding_parameters()
-        parts["language_model"] = [p for p in self.language_model.parameters()
-                                   if not any(p is q for q in embeddings)]
+        parts["language_model"] = [p for p in self.language_model.parameters() if not any(p is q for q in embeddings)]
         parts["embeddings"] = embeddings
         return {name: parts[name] for name in FREEZE_PARTS if name in parts}
 
@@ -171,8 +198,10 @@ class VLM(nn.Module):
             if part not in FREEZE_PARTS:
                 raise ValueError(f"{key}: unknown part {part!r}; parts: {', '.join(FREEZE_PARTS)}")
             if part not in have:
-                raise ValueError(f"{key}: the model has no {part!r} to freeze (model.init_from="
-                                 f"{self.cfg.init_from!r}; its parts: {', '.join(have)})")
+                raise ValueError(
+                    f"{key}: the model has no {part!r} to freeze (model.init_from="
+                    f"{self.cfg.init_from!r}; its parts: {', '.join(have)})"
+                )
         self.frozen.update(parts)
         self.apply_frozen()
 
@@ -189,12 +218,17 @@ class VLM(nn.Module):
 
     def part_counts(self) -> dict[str, tuple[int, int]]:
         """(trainable, frozen) parameter counts of each part the model has."""
-        return {part: (sum(p.numel() for p in params if p.requires_grad),
-                       sum(p.numel() for p in params if not p.requires_grad))
-                for part, params in self.parameter_parts().items()}
+        return {
+            part: (
+                sum(p.numel() for p in params if p.requires_grad),
+                sum(p.numel() for p in params if not p.requires_grad),
+            )
+            for part, params in self.parameter_parts().items()
+        }
 
     def describe_parts(self) -> str:
         """One line: each part's trainable / frozen parameter counts, e.g. `vision 0/175.2K`."""
+
         def size(n: int) -> str:
             for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
                 if n >= scale:
@@ -235,8 +269,10 @@ class VLM(nn.Module):
         """The tower that encodes `kind`; a ValueError naming the checkpoint when the model has none."""
         tower = self.visual if kind == "image" else self.audio_tower if kind == "audio" else None
         if tower is None:
-            raise ValueError(f"the model has no {'vision' if kind == 'image' else kind} tower for {kind!r} media "
-                             f"(model.init_from={self.cfg.init_from!r})")
+            raise ValueError(
+                f"the model has no {'vision' if kind == 'image' else kind} tower for {kind!r} media "
+                f"(model.init_from={self.cfg.init_from!r})"
+            )
         return tower
 
     def set_stop_token(self, token_id: int) -> None:
@@ -265,8 +301,10 @@ class VLM(nn.Module):
             raise ValueError(f"prompt markers {kinds} do not match its media {[m.kind for m in media]}")
         for kind in dict.fromkeys(kinds):
             if self.media_tokens_of[kind] is None:
-                raise ValueError(f"the prompt has {kind} but the model has no {kind} token "
-                                 f"(model.init_from={self.cfg.init_from!r}, model.tokenizer={self.cfg.tokenizer!r})")
+                raise ValueError(
+                    f"the prompt has {kind} but the model has no {kind} token "
+                    f"(model.init_from={self.cfg.init_from!r}, model.tokenizer={self.cfg.tokenizer!r})"
+                )
         out: list[int] = []
         for k, piece in enumerate(pieces):
             if k % 2:
@@ -287,8 +325,11 @@ class VLM(nn.Module):
         dev = self.device
         images = [i for i, m in enumerate(media) if m.kind == "image"]
         if images:
-            enc = encode_images(self.tower_of("image"), to_device(torch.cat([media[i].features for i in images]), dev),
-                                to_device(torch.stack([media[i].grid for i in images]), dev))
+            enc = encode_images(
+                self.tower_of("image"),
+                to_device(torch.cat([media[i].features for i in images]), dev),
+                to_device(torch.stack([media[i].grid for i in images]), dev),
+            )
             for i, e in zip(images, enc.split([self.media_tokens(media[i]) for i in images])):
                 out[i] = e
         clips = [i for i, m in enumerate(media) if m.kind == "audio"]
@@ -315,8 +356,14 @@ class VLM(nn.Module):
         config, dtype, device and train/eval mode."""
         tower = self.tower_of(kind)
         p = next(tower.parameters())
-        return kind, type(tower).__name__, settings_fingerprint(tower.config.to_dict()), str(p.dtype), \
-            str(p.device), tower.training
+        return (
+            kind,
+            type(tower).__name__,
+            settings_fingerprint(tower.config.to_dict()),
+            str(p.dtype),
+            str(p.device),
+            tower.training,
+        )
 
     def encode(self, media: list[Medium], dedup: bool = True) -> tuple[MediaEncodings, EncodeStats]:
         """Encodings ready to splice ([tokens, hidden] each) and the work it took.
@@ -332,15 +379,18 @@ class VLM(nn.Module):
         # A tower with a trainable weight (a merger counts: it is part of the vision tower) needs a
         # graph when grad is on: its media bypass the cache. The cache holds one weights version
         # for all towers, so a frozen tower's entries outlive a step only when no tower trains.
-        graph = {kind: torch.is_grad_enabled() and any(p.requires_grad for p in self.tower_of(kind).parameters())
-                 for kind in identity}
+        graph = {
+            kind: torch.is_grad_enabled() and any(p.requires_grad for p in self.tower_of(kind).parameters())
+            for kind in identity
+        }
         version = tuple(weights_version(t) for t in self.tower_modules())
 
         def cache_key(m: Medium) -> tuple[tuple, tuple]:
             return (m.hash, m.prep, identity[m.kind]), version
 
-        raw, stats = encode_distinct([m for m in media if not graph[m.kind]], self.towers, self.encoding_cache,
-                                     cache_key)
+        raw, stats = encode_distinct(
+            [m for m in media if not graph[m.kind]], self.towers, self.encoding_cache, cache_key
+        )
         fresh, fresh_stats = encode_distinct([m for m in media if graph[m.kind]], self.towers)
         raw.update(fresh)
         stats.add(fresh_stats)
@@ -354,8 +404,7 @@ class VLM(nn.Module):
         """Encodings [tokens, hidden] by Medium.key; each distinct medium encoded once."""
         return self.encode(media)[0]
 
-    def embed(self, input_ids: torch.Tensor, row_media: list[list[Medium]],
-              encodings: MediaEncodings) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, row_media: list[list[Medium]], encodings: MediaEncodings) -> torch.Tensor:
         """Token embeddings with media encodings spliced into the placeholder positions."""
         is_media = self.is_placeholder(input_ids)
         embeds = self.language_model.embed(input_ids)
@@ -377,8 +426,9 @@ class VLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     row_media: list[list[Medium]]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def position_ids(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, row_media: list[list[Medium]]
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Positions of whole sequences and the per-row offset [B] that tokens appended later
         add to their count (None without M-RoPE). Plain RoPE: [B, T], counting only real
         tokens, so left padding does not shift it. M-RoPE (the decoder has mrope_section):
@@ -387,13 +437,20 @@ class VLM(nn.Module):
             return (attention_mask.long().cumsum(-1) - 1).clamp(min=0), None
         grids = [[m.grid for m in row if m.kind == "image"] for row in row_media]
         # a walk over each row's tokens: on the host, then the positions to the model's device
-        positions, deltas = rope_index(to_host(input_ids), to_host(attention_mask), grids, self.image_token_id,
-                                       self.cfg.vision.spatial_merge_size)
+        positions, deltas = rope_index(
+            to_host(input_ids), to_host(attention_mask), grids, self.image_token_id, self.cfg.vision.spatial_merge_size
+        )
         return to_device(positions, input_ids.device), to_device(deltas, input_ids.device)
 
-    def forward_embeds(self, embeds: torch.Tensor, attention_mask: torch.Tensor,
-                       cache: KVCache | None = None, positions: Optional[torch.Tensor] = None,
-                       rope_deltas: Optional[torch.Tensor] = None, tree: Optional[tuple] = None):
+    def forward_embeds(
+        self,
+        embeds: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: KVCache | None = None,
+        positions: Optional[torch.Tensor] = None,
+        rope_deltas: Optional[torch.Tensor] = None,
+        tree: Optional[tuple] = None,
+    ):
         """Logits for embeddings. attention_mask covers past + new tokens. positions: from
         `position_ids` (whole sequences); otherwise each new token's index among its row's
         real tokens, plus rope_deltas [B] (`position_ids`' offset, for M-RoPE decoding).
@@ -412,9 +469,15 @@ class VLM(nn.Module):
             return self.language_model(embeds, positions, attention_mask.bool(), cache)
         return self.language_model(embeds, positions, attention_mask.bool(), cache, block_mask)
 
-    def sequence_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          row_media: list[list[Medium]], temperature: float = 1.0,
-                          encodings: MediaEncodings | None = None, return_hidden: bool = False):
+    def sequence_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        row_media: list[list[Medium]],
+        temperature: float = 1.0,
+        encodings: MediaEncodings | None = None,
+        return_hidden: bool = False,
+    ):
         """Per-token log-probs of input_ids[:, 1:] under logits / temperature, and the
         entropy of that distribution; both [B, T-1]. Without `encodings` the media of
         these rows are encoded here (deduplicated unless model.encoders.dedup is off).
@@ -423,12 +486,16 @@ class VLM(nn.Module):
         if encodings is None:
             encodings, _ = self.encode([m for row in row_media for m in row], self.cfg.encoders.dedup)
         hidden: list[torch.Tensor] = []
-        hook = (self.language_model.lm_head.register_forward_pre_hook(lambda m, args: hidden.append(args[0]))
-                if return_hidden else None)
+        hook = (
+            self.language_model.lm_head.register_forward_pre_hook(lambda m, args: hidden.append(args[0]))
+            if return_hidden
+            else None
+        )
         try:
             positions, _ = self.position_ids(input_ids, attention_mask, row_media)
-            logits, _ = self.forward_embeds(self.embed(input_ids, row_media, encodings), attention_mask,
-                                            positions=positions)
+            logits, _ = self.forward_embeds(
+                self.embed(input_ids, row_media, encodings), attention_mask, positions=positions
+            )
         finally:
             if hook is not None:
                 hook.remove()

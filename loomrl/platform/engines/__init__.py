@@ -1,6 +1,7 @@
 """Training engines behind one seam (see base.py): torch (default), DeepSpeed ZeRO, Megatron-core.
 Importing the package registers them (`TRAINING_ENGINES`); their heavy libraries load when an
 engine is built."""
+
 from __future__ import annotations
 
 from loomrl.platform.engines import deepspeed_engine, megatron_engine, torch_engine  # noqa: F401 (registration)

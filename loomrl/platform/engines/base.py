@@ -25,10 +25,12 @@ the launcher read (docs/extending.md):
 
 Data parallelism: every rank rolls out its own share of a step's prompts and the
 ranks exchange the trajectories (`trajectory/sources.py`), so every rank holds the
-same mini-batch and trains on its share of the micro-batches (`rank_share`); each micro-batch loss is already normalised by
+same mini-batch and trains on its share of the micro-batches (`rank_share`); each micro-batch
+loss is already normalised by
 the whole mini-batch's tokens, so the gradients of the ranks *add up* to the
 single-process gradient.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -108,8 +110,16 @@ def trajectory_digest(trajectories: list) -> int:
     rewards, in order (exact: the rewards' bits, not a rounding of them)."""
     h = hashlib.sha256()
     for t in trajectories:
-        h.update(struct.pack(f"<2q{len(t.prompt_ids)}q{len(t.completion_ids)}qd", len(t.prompt_ids),
-                             len(t.completion_ids), *t.prompt_ids, *t.completion_ids, float(t.reward)))
+        h.update(
+            struct.pack(
+                f"<2q{len(t.prompt_ids)}q{len(t.completion_ids)}qd",
+                len(t.prompt_ids),
+                len(t.completion_ids),
+                *t.prompt_ids,
+                *t.completion_ids,
+                float(t.reward),
+            )
+        )
     return int.from_bytes(h.digest()[:8], "little", signed=True)
 
 
@@ -117,9 +127,11 @@ def compare_digests(step: int, digests: list[int]) -> None:
     """Refuse a step whose ranks hold different trajectories (digests in rank order)."""
     if len(set(digests)) > 1:
         differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        raise RuntimeError(f"RL step {step}: rank(s) {differ} generated other rollouts than rank 0 "
-                           f"(trajectory digests per rank: {digests}); data parallelism needs every rank "
-                           f"to hold the same trajectories (same seeds, same rollout engine, same data)")
+        raise RuntimeError(
+            f"RL step {step}: rank(s) {differ} generated other rollouts than rank 0 "
+            f"(trajectory digests per rank: {digests}); data parallelism needs every rank "
+            f"to hold the same trajectories (same seeds, same rollout engine, same data)"
+        )
 
 
 def check_rank_agreement(step: int, trajectories: list) -> bool:
@@ -143,15 +155,16 @@ def allreduce_grads(params: list[nn.Parameter], group=None) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     has = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                      for p in params] + [has])
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params] + [has]
+    )
     dist.all_reduce(flat, group=group)
-    has = flat[-len(params):]
+    has = flat[-len(params) :]
     offset = 0
     for p, h in zip(params, has.tolist()):
         n = p.numel()
         if h > 0:
-            p.grad = flat[offset:offset + n].view_as(p).to(p.dtype).clone()
+            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
         offset += n
 
 
@@ -172,8 +185,10 @@ def rank_state(state: dict, what: str) -> dict:
     ranks = state.get("ranks")
     if not isinstance(ranks, list) or len(ranks) != size:
         saved = len(ranks) if isinstance(ranks, list) else "no"
-        raise ValueError(f"{what}: the checkpoint holds {saved} rank states but this run has {size} "
-                         f"processes; resume with the same training.nproc")
+        raise ValueError(
+            f"{what}: the checkpoint holds {saved} rank states but this run has {size} "
+            f"processes; resume with the same training.nproc"
+        )
     return ranks[rank]
 
 

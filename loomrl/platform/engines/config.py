@@ -1,5 +1,6 @@
 """Settings of the training engines (`training`): the optimiser, precision, placement, DeepSpeed,
 Megatron, freezing and the supervised warm-up."""
+
 from __future__ import annotations
 
 import typing

@@ -23,6 +23,7 @@ the engine's) is not used here: media are encoded inside each micro-batch's forw
 Rollouts do not run on this (possibly partitioned) module: the trainer keeps a full
 copy of the policy and loads `export_weights()` into it after every step.
 """
+
 from __future__ import annotations
 
 import copy
@@ -33,15 +34,26 @@ import torch
 from torch import nn
 
 from loomrl.config import RecipeError
-from loomrl.platform.engines.base import (TRAINING_ENGINES, LossFn, allreduce_stats, gather_rank_states, rank_share, rank_state,
-                                          world)
+from loomrl.platform.engines.base import (
+    TRAINING_ENGINES,
+    LossFn,
+    allreduce_stats,
+    gather_rank_states,
+    rank_share,
+    rank_state,
+    world,
+)
 
 
 def deepspeed_config(cfg) -> dict:
     """The DeepSpeed JSON config of a recipe's TrainingConfig (uses cfg.deepspeed, grad_clip)."""
     ds = cfg.deepspeed
-    zero: dict = {"stage": ds.zero_stage, "overlap_comm": False, "contiguous_gradients": True,
-                  "reduce_bucket_size": ds.reduce_bucket_size}
+    zero: dict = {
+        "stage": ds.zero_stage,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": ds.reduce_bucket_size,
+    }
     if ds.zero_stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # partition every parameter, however small
     if ds.offload_optimizer:
@@ -89,8 +101,10 @@ def check_recipe(r) -> None:
     if t.deepspeed.zero_stage == 0 and (t.deepspeed.bf16 or t.deepspeed.offload_optimizer):
         raise RecipeError("training.deepspeed.zero_stage: bf16 and offload_optimizer need zero_stage >= 1")
     if t.precision == "bf16" and not t.deepspeed.bf16:
-        raise RecipeError("training.precision: bf16 with training.engine=deepspeed is DeepSpeed's own BF16 "
-                          "mode; set training.deepspeed.bf16=true as well (it decides that engine's precision)")
+        raise RecipeError(
+            "training.precision: bf16 with training.engine=deepspeed is DeepSpeed's own BF16 "
+            "mode; set training.deepspeed.bf16=true as well (it decides that engine's precision)"
+        )
 
 
 @TRAINING_ENGINES.register("deepspeed", distributed=True, value_model=False, lora=True, check=check_recipe)
@@ -115,7 +129,8 @@ class DeepSpeedTrainEngine:
         params = [p for p in model.parameters() if p.requires_grad]  # frozen weights: not optimised
         opt = torch.optim.AdamW(params, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=_LossModule(model), optimizer=opt, config=deepspeed_config(cfg))
+            model=_LossModule(model), optimizer=opt, config=deepspeed_config(cfg)
+        )
         self.model = model
         self.params = params
         self._client_opt = opt
@@ -179,8 +194,10 @@ class DeepSpeedTrainEngine:
                 raise ValueError("training.deepspeed: bf16 checkpoints need zero_stage >= 1")
             local = {"optimizer": self.optimizer.state_dict()}
         else:
-            local = {"fp32": [t.detach().clone() for t in self._partitions()],
-                     "optimizer": _param_states(self.optimizer.optimizer, self._partitions())}
+            local = {
+                "fp32": [t.detach().clone() for t in self._partitions()],
+                "optimizer": _param_states(self.optimizer.optimizer, self._partitions()),
+            }
         return gather_rank_states(local)
 
     def load_state_dict(self, state: dict) -> None:
@@ -197,13 +214,14 @@ class DeepSpeedTrainEngine:
         _load_param_states(self.optimizer.optimizer, parts, local["optimizer"])
 
 
-
 def _param_states(opt: torch.optim.Optimizer, partitions: list[torch.Tensor]) -> list[dict]:
     """The inner optimizer's state (exp_avg, exp_avg_sq, step) of each fp32 partition. Keyed by
     the partitions, not by param_groups: ZeRO-3 puts a partition into its group only while it
     steps it, and the inner optimizer also holds stale entries torch's state_dict() cannot index."""
-    return [{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in opt.state.get(t, {}).items()}
-            for t in partitions]
+    return [
+        {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in opt.state.get(t, {}).items()}
+        for t in partitions
+    ]
 
 
 def _load_param_states(opt: torch.optim.Optimizer, partitions: list[torch.Tensor], saved: list[dict]) -> None:

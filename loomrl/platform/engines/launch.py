@@ -6,6 +6,7 @@ then runs the same driver loop; `init_distributed` joins the process group that
 torchrun's environment describes, or makes a one-process group when a
 distributed engine (DeepSpeed, Megatron) runs in a single process.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,16 @@ def launched() -> bool:
 def torchrun_command(nproc: int, cli_args: list[str], module: str = "loomrl.cli") -> list[str]:
     """The command that runs `python -m <module> <cli_args>` on nproc local processes
     (torchrun's default: no restarts)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", module, *cli_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        module,
+        *cli_args,
+    ]
 
 
 def launch(nproc: int, cli_args: list[str]) -> int:

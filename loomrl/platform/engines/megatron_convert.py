@@ -15,6 +15,7 @@ splits every fused matrix across tensor-parallel (TP) ranks:
 Every function is a pure reshuffle of tensors (no arithmetic), so HF -> Megatron ->
 HF gives back bit-identical tensors.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,8 +38,9 @@ class Dims:
 
     @classmethod
     def of(cls, cfg) -> "Dims":
-        return cls(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size,
-                   cfg.tie_word_embeddings)
+        return cls(
+            cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings
+        )
 
 
 def padded_vocab(vocab_size: int, tp_size: int, multiple: int = 1) -> int:
@@ -83,8 +85,9 @@ def hf_to_megatron(hf: dict[str, Tensor], d: Dims, tp_rank: int = 0, tp_size: in
     """The state dict of TP rank `tp_rank` of a GPTModel from an HF-layout decoder state dict
     (keys `model.embed_tokens.weight`, `model.layers.N.self_attn.q_proj.weight`, ...)."""
     if d.num_kv_heads % tp_size or d.num_heads % tp_size:
-        raise ValueError(f"tensor_parallel={tp_size} must divide num_heads={d.num_heads} "
-                         f"and num_kv_heads={d.num_kv_heads}")
+        raise ValueError(
+            f"tensor_parallel={tp_size} must divide num_heads={d.num_heads} and num_kv_heads={d.num_kv_heads}"
+        )
     r, n = tp_rank, tp_size
     vocab = padded_vocab(d.vocab_size, n)
     out = {"embedding.word_embeddings.weight": _rows(_pad_vocab(hf["model.embed_tokens.weight"], vocab), r, n)}
@@ -108,13 +111,14 @@ def hf_to_megatron(hf: dict[str, Tensor], d: Dims, tp_rank: int = 0, tp_size: in
 def megatron_to_hf(shards: list[dict[str, Tensor]], d: Dims) -> dict[str, Tensor]:
     """An HF-layout decoder state dict from the state dicts of all TP ranks (in rank order).
     With tied embeddings `lm_head.weight` is the embedding tensor itself (as in the HF model)."""
+
     def rows(key):
         return torch.cat([s[key] for s in shards], dim=0)
 
     def cols(key):
         return torch.cat([s[key] for s in shards], dim=1)
 
-    hf = {"model.embed_tokens.weight": rows("embedding.word_embeddings.weight")[:d.vocab_size].clone()}
+    hf = {"model.embed_tokens.weight": rows("embedding.word_embeddings.weight")[: d.vocab_size].clone()}
     for i in range(d.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         hf[h + "input_layernorm.weight"] = shards[0][m + "input_layernorm.weight"].clone()
@@ -132,5 +136,5 @@ def megatron_to_hf(shards: list[dict[str, Tensor]], d: Dims) -> dict[str, Tensor
     if d.tie_word_embeddings:
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
     else:
-        hf["lm_head.weight"] = rows("output_layer.weight")[:d.vocab_size].clone()
+        hf["lm_head.weight"] = rows("output_layer.weight")[: d.vocab_size].clone()
     return hf

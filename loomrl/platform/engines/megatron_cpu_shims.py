@@ -19,6 +19,7 @@ Megatron-core assumes a CUDA device in three places that matter here:
 does nothing. Megatron's own optimizer also assumes CUDA; loomrl does not use it
 (the engine runs torch AdamW), so no shim is needed for it.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -30,6 +30,7 @@ decoder; the engine trains FP32 parameters.
 Rollouts do not run on this module: the trainer keeps an HF-layout copy of the policy
 (what vLLM would serve) and loads `export_weights()` into it after every step.
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,14 +42,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from loomrl.config import RecipeError
 from loomrl.platform.backbone import rounding
 from loomrl.platform.backbone.decoder import DecoderConfig, rope_cos_sin
 from loomrl.platform.engines import megatron_cpu_shims
-from loomrl.config import RecipeError
-from loomrl.platform.engines.base import (TRAINING_ENGINES, LossFn, allreduce_grads, allreduce_stats, gather_rank_states,
-                                          rank_share, rank_state)
+from loomrl.platform.engines.base import (
+    TRAINING_ENGINES,
+    LossFn,
+    allreduce_grads,
+    allreduce_stats,
+    gather_rank_states,
+    rank_share,
+    rank_state,
+)
 from loomrl.platform.engines.megatron_convert import Dims, hf_to_megatron, megatron_to_hf, padded_vocab
-
 
 # --------------------------------------------------------------------------- process groups
 
@@ -62,8 +69,7 @@ def init_parallel(tensor_parallel: int) -> None:
         raise RuntimeError("the Megatron engine needs torch.distributed (loomrl.platform.engines.launch)")
     world = dist.get_world_size()
     if world % tensor_parallel:
-        raise ValueError(f"training.megatron.tensor_parallel={tensor_parallel} must divide "
-                         f"training.nproc={world}")
+        raise ValueError(f"training.megatron.tensor_parallel={tensor_parallel} must divide training.nproc={world}")
     if ps.model_parallel_is_initialized():
         if ps.get_tensor_model_parallel_world_size() == tensor_parallel:
             return
@@ -118,28 +124,46 @@ class LoomCoreAttention(nn.Module):
     with the causal padding mask (GQA by repeating kv heads). Shapes are Megatron's: q [s, b, heads/tp, d],
     k/v [s, b, kv_heads/tp, d] -> [s, b, heads/tp * d]."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, *, rope: RopeTable,
-                 decoder: DecoderConfig):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        *,
+        rope: RopeTable,
+        decoder: DecoderConfig,
+    ):
         super().__init__()
         self.rope, self.decoder = rope, decoder
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         mode, mrope = self.decoder.rounding.rope, self.decoder.mrope_section is not None
         cos, sin = self.rope.cos[:, None], self.rope.sin[:, None]  # [B, 1, T, D]: broadcast over heads
         q = rounding.apply_rope(query.permute(1, 2, 0, 3), cos, sin, mode, mrope)
         k = rounding.apply_rope(key.permute(1, 2, 0, 3), cos, sin, mode, mrope)
         v = value.permute(1, 2, 0, 3)
         rep = q.shape[1] // k.shape[1]
-        out = rounding.attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
-                                 attention_mask, self.decoder.rounding.attention)
+        out = rounding.attention(
+            q,
+            k.repeat_interleave(rep, dim=1),
+            v.repeat_interleave(rep, dim=1),
+            attention_mask,
+            self.decoder.rounding.attention,
+        )
         s, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 def layer_spec(decoder: DecoderConfig, rope: RopeTable):
     """A TransformerLayer spec: Megatron's parallel linears, loomrl's rounding regions."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
@@ -147,22 +171,33 @@ def layer_spec(decoder: DecoderConfig, rope: RopeTable):
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
     norm = ModuleSpec(module=LoomRMSNorm, params={"decoder": decoder})
-    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=norm,
-        self_attention=ModuleSpec(
-            module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-            submodules=SelfAttentionSubmodules(
-                linear_qkv=ColumnParallelLinear,
-                core_attention=functools.partial(LoomCoreAttention, rope=rope, decoder=decoder),
-                linear_proj=RowParallelLinear, q_layernorm=IdentityOp, k_layernorm=IdentityOp)),
-        self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=norm,
-        mlp=ModuleSpec(module=_swiglu_mlp_class(), params={"decoder": decoder},
-                       submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
-        mlp_bda=get_bias_dropout_add))
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=functools.partial(LoomCoreAttention, rope=rope, decoder=decoder),
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(
+                module=_swiglu_mlp_class(),
+                params={"decoder": decoder},
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
 
 
 class MegatronLM(nn.Module):
@@ -177,25 +212,52 @@ class MegatronLM(nn.Module):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         if cfg.intermediate_size % tensor_parallel:
-            raise ValueError(f"training.megatron.tensor_parallel={tensor_parallel} must divide "
-                             f"model.intermediate_size={cfg.intermediate_size}")
+            raise ValueError(
+                f"training.megatron.tensor_parallel={tensor_parallel} must divide "
+                f"model.intermediate_size={cfg.intermediate_size}"
+            )
         self.cfg = cfg
         self.rope = RopeTable()
         config = TransformerConfig(
-            num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
-            num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim, ffn_hidden_size=cfg.intermediate_size,
-            layernorm_epsilon=cfg.rms_norm_eps, normalization="RMSNorm", gated_linear_unit=True,
-            activation_func=F.silu, add_bias_linear=False, add_qkv_bias=True, hidden_dropout=0.0,
-            attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
-            masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-            gradient_accumulation_fusion=False, tensor_model_parallel_size=tensor_parallel,
-            use_cpu_initialization=True, perform_initialization=False, params_dtype=torch.float32,
-            **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-               if recompute else {}))
-        self.gpt = GPTModel(config, layer_spec(cfg, self.rope), vocab_size=padded_vocab(cfg.vocab_size, tensor_parallel),
-                            max_sequence_length=cfg.max_position_embeddings, parallel_output=False,
-                            share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-                            position_embedding_type="none")
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_heads,
+            num_query_groups=cfg.num_kv_heads,
+            kv_channels=cfg.head_dim,
+            ffn_hidden_size=cfg.intermediate_size,
+            layernorm_epsilon=cfg.rms_norm_eps,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            tensor_model_parallel_size=tensor_parallel,
+            use_cpu_initialization=True,
+            perform_initialization=False,
+            params_dtype=torch.float32,
+            **(
+                {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+                if recompute
+                else {}
+            ),
+        )
+        self.gpt = GPTModel(
+            config,
+            layer_spec(cfg, self.rope),
+            vocab_size=padded_vocab(cfg.vocab_size, tensor_parallel),
+            max_sequence_length=cfg.max_position_embeddings,
+            parallel_output=False,
+            share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+            position_embedding_type="none",
+        )
         # loomrl's RMSNorm region for the final norm too (the block builds Megatron's own).
         self.gpt.decoder.final_layernorm = LoomRMSNorm(config, cfg.hidden_size, cfg.rms_norm_eps, decoder=cfg)
 
@@ -217,9 +279,12 @@ class MegatronLM(nn.Module):
         device = inputs_embeds.device
         causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
         mask = causal[None, None] & key_mask[:, None, None, :]
-        mask = mask | torch.eye(t, dtype=torch.bool, device=device)[None, None]  # as the built-in decoder: no empty rows
-        self.rope.cos, self.rope.sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta,
-                                                    self.cfg.mrope_section)
+        mask = (
+            mask | torch.eye(t, dtype=torch.bool, device=device)[None, None]
+        )  # as the built-in decoder: no empty rows
+        self.rope.cos, self.rope.sin = rope_cos_sin(
+            position_ids, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.mrope_section
+        )
         hidden = inputs_embeds.transpose(0, 1).contiguous()
         recompute = self.gpt.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled()
         if recompute and not hidden.requires_grad:
@@ -229,7 +294,7 @@ class MegatronLM(nn.Module):
         logits = self.gpt(input_ids=None, position_ids=None, attention_mask=mask, decoder_input=hidden)
         if not recompute:  # a recomputed layer reads the table again in the backward: kept until the next forward
             self.rope.cos = self.rope.sin = None
-        return logits[..., :self.cfg.vocab_size], []
+        return logits[..., : self.cfg.vocab_size], []
 
     def local_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
@@ -243,12 +308,16 @@ def check_recipe(r) -> None:
     the KV heads and the MLP width."""
     t = r.training
     if t.precision == "bf16":
-        raise RecipeError("training.precision: training.engine=megatron trains in FP32 only; use "
-                          "training.precision=fp32, or training.engine=torch / deepspeed for BF16")
+        raise RecipeError(
+            "training.precision: training.engine=megatron trains in FP32 only; use "
+            "training.precision=fp32, or training.engine=torch / deepspeed for BF16"
+        )
     tp = t.megatron.tensor_parallel
     if r.model.num_kv_heads % tp or r.model.intermediate_size % tp:
-        raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide model.num_kv_heads="
-                          f"{r.model.num_kv_heads} and model.intermediate_size={r.model.intermediate_size}")
+        raise RecipeError(
+            f"training.megatron.tensor_parallel: {tp} must divide model.num_kv_heads="
+            f"{r.model.num_kv_heads} and model.intermediate_size={r.model.intermediate_size}"
+        )
 
 
 @TRAINING_ENGINES.register("megatron", distributed=True, value_model=False, lora=False, check=check_recipe)
@@ -293,8 +362,7 @@ class MegatronTrainEngine:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._split = tp_split_params(lm)
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr if lr is None else lr,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay)
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:

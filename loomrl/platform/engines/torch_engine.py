@@ -11,6 +11,7 @@ each op in its forward dtype) and the gradients arrive in FP32. No loss scaling:
 exponent range. `autocast(recipe_precision, module)` gives the same context to the other
 forwards that must match the training one (the trainer's old / reference log-probs).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,9 @@ class TorchTrainEngine:
         """Trains `policy` itself (`params`: the parameters to optimise, default every trainable one)."""
         return cls(policy, recipe.training, params=params)
 
-    def __init__(self, model: nn.Module, cfg: TrainingConfig, lr: float | None = None,
-                 params: list[nn.Parameter] | None = None):
+    def __init__(
+        self, model: nn.Module, cfg: TrainingConfig, lr: float | None = None, params: list[nn.Parameter] | None = None
+    ):
         self.model = model
         self.cfg = cfg
         params = [p for p in model.parameters() if p.requires_grad] if params is None else params
@@ -68,8 +70,9 @@ class TorchTrainEngine:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
 
-    def train_mini_batch(self, micro_batches: list, loss_fn: LossFn,
-                         hook: Optional[MiniBatchHook] = None) -> dict[str, float]:
+    def train_mini_batch(
+        self, micro_batches: list, loss_fn: LossFn, hook: Optional[MiniBatchHook] = None
+    ) -> dict[str, float]:
         """Forward/backward every micro-batch (loss_fn returns a loss already scaled
         to its share of the mini-batch), then one optimizer step. Returns summed stats."""
         self.model.train()

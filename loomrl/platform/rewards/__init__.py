@@ -21,6 +21,7 @@ reward with its parameters (`tolerance`, `pattern`) read from a reward source's 
 Besides callables, a recipe's `algorithm.rewards` takes learned reward models
 (`models.py`) and remote reward servers (`remote.py`), combined in `sources.py`.
 """
+
 from __future__ import annotations
 
 import re

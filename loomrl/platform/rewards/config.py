@@ -1,5 +1,6 @@
 """Settings of one reward source (`algorithm.rewards[i]`), and `resolve_callable`, which turns a reward
 name or `module:function` into the callable."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,8 +78,9 @@ def resolve_callable(spec: str, key: str = "algorithm.reward", source: Optional[
         except ValueError as e:  # a required parameter missing (`regex` without a pattern)
             raise RecipeError(f"{key}: {e}") from None
     if ":" not in spec:
-        raise RecipeError(f"{key}: {show(spec)} is neither a registered reward "
-                          f"({', '.join(sorted(REGISTRY))}) nor module:function")
+        raise RecipeError(
+            f"{key}: {show(spec)} is neither a registered reward ({', '.join(sorted(REGISTRY))}) nor module:function"
+        )
     mod, fn = spec.split(":", 1)
     if not mod.strip() or mod.startswith(".") or not fn:
         raise RecipeError(f"{key}: {show(spec)}: expected module:function with an absolute module name")

@@ -19,6 +19,7 @@ no `rewards` list of the batch's length, or holds a value that is not a finite n
 an error at once (retrying would not change it), as is a 4xx status. Proxies
 (http_proxy ...) are not used: the server is reached directly.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -67,8 +68,9 @@ def check_url(url: str) -> str:
 class RemoteReward:
     """score(completions, samples) -> one float per completion, from the server at `url`."""
 
-    def __init__(self, url: str, batch_size: int = 32, timeout_s: float = 30.0, retries: int = 2,
-                 backoff_s: float = 0.2):
+    def __init__(
+        self, url: str, batch_size: int = 32, timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.2
+    ):
         self.url = check_url(url)
         parts = urlsplit(url)
         self.https = parts.scheme == "https"
@@ -76,8 +78,9 @@ class RemoteReward:
         self.port = parts.port
         self.path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         if batch_size < 1 or timeout_s <= 0 or retries < 0 or backoff_s < 0:
-            raise ValueError(f"reward server {url}: batch_size >= 1, timeout_s > 0, retries >= 0 and "
-                             f"backoff_s >= 0 are needed")
+            raise ValueError(
+                f"reward server {url}: batch_size >= 1, timeout_s > 0, retries >= 0 and backoff_s >= 0 are needed"
+            )
         self.batch_size, self.timeout_s, self.retries, self.backoff_s = batch_size, timeout_s, retries, backoff_s
 
     def score(self, completions: list[str], samples: list[dict]) -> list[float]:
@@ -85,7 +88,7 @@ class RemoteReward:
             raise ValueError(f"reward server {self.url}: {len(completions)} completions but {len(samples)} samples")
         out: list[float] = []
         for i in range(0, len(completions), self.batch_size):
-            out += self.score_batch(completions[i:i + self.batch_size], samples[i:i + self.batch_size])
+            out += self.score_batch(completions[i : i + self.batch_size], samples[i : i + self.batch_size])
         return out
 
     def score_batch(self, completions: list[str], samples: list[dict]) -> list[float]:
@@ -98,8 +101,7 @@ class RemoteReward:
         for attempt in range(self.retries + 1):
             if attempt:
                 wait = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempt - 1))
-                log.warning("reward server %s: %s; retry %d/%d in %.2f s", self.url, last, attempt,
-                            self.retries, wait)
+                log.warning("reward server %s: %s; retry %d/%d in %.2f s", self.url, last, attempt, self.retries, wait)
                 time.sleep(wait)
             try:
                 status, reply = self._post(body)
@@ -107,8 +109,9 @@ class RemoteReward:
                 last = str(e)
                 continue
             return self._rewards(status, reply, len(completions))
-        raise RemoteRewardError(f"reward server {self.url}: no answer after {self.retries + 1} attempt(s); "
-                                f"last failure: {last}")
+        raise RemoteRewardError(
+            f"reward server {self.url}: no answer after {self.retries + 1} attempt(s); last failure: {last}"
+        )
 
     def _post(self, body: bytes) -> tuple[int, bytes]:
         """POST `body`; the status and the reply body, all within timeout_s. 5xx, connection
@@ -124,8 +127,9 @@ class RemoteReward:
         cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
         conn = cls(self.host, self.port, timeout=self.timeout_s)
         try:
-            conn.request("POST", self.path, body=body,
-                         headers={"Content-Type": "application/json", "Accept": "application/json"})
+            conn.request(
+                "POST", self.path, body=body, headers={"Content-Type": "application/json", "Accept": "application/json"}
+            )
             sock = conn.sock  # the response reads it; getresponse may drop conn.sock (Connection: close)
             sock.settimeout(left())
             resp = conn.getresponse()

@@ -2,6 +2,7 @@
 completion) or a batch scorer (scored in batches): a learned reward model (`models.py`)
 or a remote reward server (`remote.py`). Each source's scores are kept so the trainer can
 report its mean every step."""
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,9 @@ class Source:
             except Exception as e:  # noqa: BLE001 - a reward is user code: any failure is named, never a traceback
                 raise RewardError(f"reward {self.name!r} on sample {s.get('id')!r}: {type(e).__name__}: {e}") from None
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise RewardError(f"reward {self.name!r} on sample {s.get('id')!r} returned {value!r}, "
-                                  f"not a finite number")
+                raise RewardError(
+                    f"reward {self.name!r} on sample {s.get('id')!r} returned {value!r}, not a finite number"
+                )
             out.append(float(value))
         return out
 
@@ -69,8 +71,9 @@ def build_sources(algorithm, device: torch.device | str = "cpu") -> list[Source]
     return sources
 
 
-def score(sources: list[Source], completions: list[str], samples: list[dict]
-          ) -> tuple[list[float], dict[str, list[float]]]:
+def score(
+    sources: list[Source], completions: list[str], samples: list[dict]
+) -> tuple[list[float], dict[str, list[float]]]:
     """The weighted total per completion, and each source's own scores by name."""
     by_source = {s.name: s.score(completions, samples) for s in sources}
     total = [sum(s.weight * by_source[s.name][i] for s in sources) for i in range(len(completions))]

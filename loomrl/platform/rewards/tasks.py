@@ -36,6 +36,7 @@ answer here, and evalf on unevaluated products grows exponentially with their ne
 (99 s for 20 factors), while rewards must stay cheap whatever the model writes. Anything
 the converter does not read falls back to string equality.
 """
+
 from __future__ import annotations
 
 import functools
@@ -72,7 +73,7 @@ def _cut(value: Any, limit: int = 80) -> str:
     r = reprlib.Repr()
     r.maxstring = r.maxother = limit
     text = r.repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _reference(sample: dict, reward: str) -> str:
@@ -84,8 +85,9 @@ def _reference(sample: dict, reward: str) -> str:
     if answer is None or (isinstance(answer, str) and not answer.strip()):
         raise ValueError(f"reward {reward!r}: sample {sid} has no answer (its record needs an `answer` string)")
     if not isinstance(answer, str):
-        raise ValueError(f"reward {reward!r}: sample {sid}: the answer must be a string, got "
-                         f"{type(answer).__name__} {_cut(answer)}")
+        raise ValueError(
+            f"reward {reward!r}: sample {sid}: the answer must be a string, got {type(answer).__name__} {_cut(answer)}"
+        )
     return answer
 
 
@@ -122,7 +124,7 @@ def _tagged(text: str) -> Optional[str]:
     if start < 0:
         return None
     end = text.find("</answer>", start)
-    return text[start + len("<answer>"): end if end >= 0 else None]
+    return text[start + len("<answer>") : end if end >= 0 else None]
 
 
 def final_answer(text: str) -> Optional[str]:
@@ -237,8 +239,9 @@ def numeric(completion: str, sample: dict, tolerance: float = 1e-4) -> float:
     ref_text = _reference(sample, "numeric")
     ref = last_number(final_answer(ref_text) or ref_text)
     if ref is None:
-        raise ValueError(f"reward 'numeric': sample {_sample_id(sample)}: the answer {_cut(ref_text)} "
-                         f"has no (finite) number")
+        raise ValueError(
+            f"reward 'numeric': sample {_sample_id(sample)}: the answer {_cut(ref_text)} has no (finite) number"
+        )
     if not isinstance(completion, str):
         return 0.0
     got = last_number(final_answer(completion) or completion)
@@ -250,8 +253,10 @@ def numeric(completion: str, sample: dict, tolerance: float = 1e-4) -> float:
 _LETTERS = "ABCDEFGHIJ"
 _CHOICE_ONLY = re.compile(r"\s*[(\[]?\s*([A-Ja-j])\s*[)\]]?\s*[.:]?\s*")
 _CHOICE_LEAD = re.compile(r"\s*(?:\(([A-Ja-j])\)|([A-J])[).:])(?:\s|$)")
-_CHOICE_SAID = re.compile(r"(?i:answer)(?:\s+(?i:is))?\s*[:\uff1a]?\s*(?:\*\*)?\s*"
-                          r"(?:[(\[]([A-Ja-j])[)\]]|([A-J])(?![A-Za-z0-9]))")
+_CHOICE_SAID = re.compile(
+    r"(?i:answer)(?:\s+(?i:is))?\s*[:\uff1a]?\s*(?:\*\*)?\s*"
+    r"(?:[(\[]([A-Ja-j])[)\]]|([A-J])(?![A-Za-z0-9]))"
+)
 
 
 def choice_letter(text: str) -> Optional[str]:
@@ -281,8 +286,10 @@ def choice(completion: str, sample: dict) -> float:
     ref_text = _reference(sample, "choice")
     ref = choice_letter(ref_text)
     if ref is None:
-        raise ValueError(f"reward 'choice': sample {_sample_id(sample)}: the answer {_cut(ref_text)} "
-                         f"names no letter {_LETTERS[0]}-{_LETTERS[-1]}")
+        raise ValueError(
+            f"reward 'choice': sample {_sample_id(sample)}: the answer {_cut(ref_text)} "
+            f"names no letter {_LETTERS[0]}-{_LETTERS[-1]}"
+        )
     if not isinstance(completion, str):
         return 0.0
     return float(choice_letter(completion) == ref)
@@ -296,8 +303,10 @@ class _Unsupported(Exception):
 
 
 _MATH_DROP = re.compile(r"\\left|\\right|\\displaystyle|\\[,;:! ]|\$|\s+|\^\{?\\circ\}?|°")
-_MATH_TOKEN = re.compile(r"[0-9]+(?:\.[0-9]+)?|\.[0-9]+|\\(?:frac|sqrt|cdot|times|div|pi)|\\[A-Za-z]+|[A-Za-z]"
-                         r"|[-+*/^(){}\[\]]")
+_MATH_TOKEN = re.compile(
+    r"[0-9]+(?:\.[0-9]+)?|\.[0-9]+|\\(?:frac|sqrt|cdot|times|div|pi)|\\[A-Za-z]+|[A-Za-z]"
+    r"|[-+*/^(){}\[\]]"
+)
 _ASSIGNMENT = re.compile(r"[A-Za-z]=(?!=)")
 
 
@@ -318,10 +327,10 @@ DIGITS = 50
 
 
 class _Node(NamedTuple):
-    weight: int                # number bits, exponents multiplied in (bounded by MAX_WEIGHT)
+    weight: int  # number bits, exponents multiplied in (bounded by MAX_WEIGHT)
     const: Optional[Fraction]  # its exact value when it is a rational constant
-    values: tuple              # its value at each point (mpmath mpc), None where undefined
-    variables: bool            # whether it has a variable
+    values: tuple  # its value at each point (mpmath mpc), None where undefined
+    variables: bool  # whether it has a variable
 
 
 @functools.lru_cache(maxsize=1)
@@ -357,7 +366,7 @@ class _Converter:
         pos = 0
         for m in _MATH_TOKEN.finditer(text):
             if m.start() != pos:
-                raise _Unsupported(text[pos:m.start()])
+                raise _Unsupported(text[pos : m.start()])
             self.tokens.append(m.group())
             pos = m.end()
         if pos != len(text) or not self.tokens:
@@ -417,7 +426,7 @@ class _Converter:
             raise _Unsupported("division by zero")
         weight = self.weighed(base.weight * max(1, abs(exponent.numerator)))
         if base.const is not None and exponent.denominator == 1:
-            return self.number(base.const ** exponent.numerator)
+            return self.number(base.const**exponent.numerator)
         e = exponent.numerator if exponent.denominator == 1 else self.mp.mpf(exponent.numerator) / exponent.denominator
         values = tuple(None if v is None or (v == 0 and exponent < 0) else self.mp.power(v, e) for v in base.values)
         return _Node(weight, None, values, base.variables)
@@ -633,16 +642,21 @@ def iou(completion: str, sample: dict) -> float:
     """IoU of the completion's first box with the answer's box (a string in any form
     `first_box` reads, or a list of 4 numbers); 0 when the completion has no valid box."""
     answer = sample.get("answer") if isinstance(sample, dict) else None
-    if isinstance(answer, (list, tuple)) and len(answer) == 4 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in answer):
+    if (
+        isinstance(answer, (list, tuple))
+        and len(answer) == 4
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in answer)
+    ):
         ref: Optional[Box] = tuple(float(v) for v in answer)  # type: ignore[assignment]
         ref_text = answer
     else:
         ref_text = _reference(sample, "iou")
         ref = first_box(ref_text)
     if ref is None or not _valid(ref):
-        raise ValueError(f"reward 'iou': sample {_sample_id(sample)}: the answer {_cut(ref_text)} is no valid "
-                         f"box [x1, y1, x2, y2] (x2 > x1, y2 > y1, coordinates >= 0)")
+        raise ValueError(
+            f"reward 'iou': sample {_sample_id(sample)}: the answer {_cut(ref_text)} is no valid "
+            f"box [x1, y1, x2, y2] (x2 > x1, y2 > y1, coordinates >= 0)"
+        )
     if not isinstance(completion, str):
         return 0.0
     got = first_box(completion)
@@ -671,7 +685,13 @@ def regex(completion: str, sample: dict, pattern: str) -> float:
 # --------------------------------------------------------------------------- factory
 
 TASK_REWARDS: dict[str, Callable[..., float]] = {
-    "exact": exact, "numeric": numeric, "choice": choice, "math": math, "iou": iou, "regex": regex}
+    "exact": exact,
+    "numeric": numeric,
+    "choice": choice,
+    "math": math,
+    "iou": iou,
+    "regex": regex,
+}
 """The rewards of this module by registry name."""
 PARAMETERS = {"numeric": ("tolerance",), "math": ("tolerance",), "regex": ("pattern",)}
 """The recipe fields (of a reward source) each parametrised reward takes."""
@@ -704,6 +724,7 @@ ANY_ANSWER = ("exact", "numeric", "choice", "math")
 def _best_of_answers(fn: Callable[[str, dict], float]) -> Callable[[str, dict], float]:
     """fn scored against each of the sample's `meta.answers` (at most 32) when it lists more than
     one; the best score counts."""
+
     def scored(completion: str, sample: dict) -> float:
         meta = sample.get("meta") if isinstance(sample, dict) else None
         answers = meta.get("answers") if isinstance(meta, dict) else None

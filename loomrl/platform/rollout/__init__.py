@@ -1,5 +1,6 @@
 """Rollout engines behind one seam (see base.py): the built-in torch engine and vLLM. Importing
 the package registers them (`ROLLOUT_ENGINES`); vLLM itself loads when its engine is built."""
+
 from __future__ import annotations
 
 from loomrl.platform.rollout import torch_engine, vllm_engine  # noqa: F401 (registration)

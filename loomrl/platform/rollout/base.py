@@ -1,6 +1,7 @@
 """The rollout-engine seam: what every engine (built-in torch, vLLM) provides, and all
 the trainer loop and the rollout workers use of one. `build_rollout_engine` (in
 `loomrl.platform.rollout`) makes the recipe's engine."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ compare it with the trainer after a weight sync (docs/extending.md)."""
 
 @dataclass
 class SamplingParams:
-    n: int = 1                  # samples per prompt
+    n: int = 1  # samples per prompt
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
@@ -30,26 +31,26 @@ class SamplingParams:
 
 @dataclass
 class Prompt:
-    id: str                     # stable prompt identity (groups, drafter histories)
-    ids: list[int]              # token ids, media markers already expanded
+    id: str  # stable prompt identity (groups, drafter histories)
+    ids: list[int]  # token ids, media markers already expanded
     media: list[Medium] = field(default_factory=list)
 
 
 @dataclass
 class Rollout:
-    prompt_index: int           # index into the prompts passed to generate()
-    sample_index: int           # 0..n-1 within its group
+    prompt_index: int  # index into the prompts passed to generate()
+    sample_index: int  # 0..n-1 within its group
     completion_ids: list[int]
-    logprobs: list[float]       # per completion token, under logits / temperature
-    finish_reason: str          # "stop" (EOS sampled) or "length"
+    logprobs: list[float]  # per completion token, under logits / temperature
+    finish_reason: str  # "stop" (EOS sampled) or "length"
 
 
 @dataclass
 class RolloutResult:
     rollouts: list[Rollout]
-    forwards: int               # target forward passes of the batch (prefill + decode steps)
+    forwards: int  # target forward passes of the batch (prefill + decode steps)
     seconds: float
-    seq_forwards: int = 0       # sum over sequences of the forwards each took part in
+    seq_forwards: int = 0  # sum over sequences of the forwards each took part in
 
     @property
     def tokens_per_forward(self) -> float:
@@ -69,20 +70,22 @@ class Drafter(Protocol):
 
 
 class RolloutEngine(Protocol):
-    version: int                # policy version of the weights it samples from
+    version: int  # policy version of the weights it samples from
     drafter: Optional[Drafter]  # NgramRL drafter, None when drafting is off
-    last_stats: object          # drafting counters of the last generate() (torch_engine.DraftStats)
-    spec_metrics: dict          # engine-specific speculative-decoding counters of the last generate()
+    last_stats: object  # drafting counters of the last generate() (torch_engine.DraftStats)
+    spec_metrics: dict  # engine-specific speculative-decoding counters of the last generate()
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams,
-                 generator: Optional[torch.Generator] = None) -> RolloutResult:
+    def generate(
+        self, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
+    ) -> RolloutResult:
         """n samples per prompt, grouped: rollouts of prompt i are contiguous."""
 
     def update_weights(self, weights: Optional[Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
         """Take new weights (None: weights are shared with the trainer) tagged `version`."""
 
-    def generate_plain(self, prompts: list[Prompt], params: SamplingParams,
-                       generator: Optional[torch.Generator] = None) -> Optional[RolloutResult]:
+    def generate_plain(
+        self, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
+    ) -> Optional[RolloutResult]:
         """The same batch without drafting, for timing side by side (its tokens are discarded);
         None when the engine cannot run one."""
 

@@ -17,6 +17,7 @@ prompt lookup as vLLM's `ngram` method does it (prompt + own output, last 3..1
 tokens), and SuffixDecoding (arctic-inference, driven like vLLM's `suffix`
 method: per-request tree + global tree of finished responses).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,14 @@ def load_traces(path: str) -> list[dict]:
         for i, line in enumerate(f, 1):
             try:
                 r = json.loads(line)
-                rows.append({"prompt_id": str(r["prompt_id"]), "round": int(r["round"]),
-                             "prompt_ids": list(r["prompt_ids"]), "completion_ids": list(r["completion_ids"])})
+                rows.append(
+                    {
+                        "prompt_id": str(r["prompt_id"]),
+                        "round": int(r["round"]),
+                        "prompt_ids": list(r["prompt_ids"]),
+                        "completion_ids": list(r["completion_ids"]),
+                    }
+                )
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{path}:{i}: not a trace line ({type(e).__name__}: {e})") from None
     if not rows:
@@ -57,7 +64,7 @@ class Tally:
     accepted: int = 0
     drafts: int = 0
     lookup_s: list[float] = field(default_factory=list)
-    accept_by_pos: list[int] = field(default_factory=list)   # forwards accepting >= i+1 tokens
+    accept_by_pos: list[int] = field(default_factory=list)  # forwards accepting >= i+1 tokens
     drafted_by_pos: list[int] = field(default_factory=list)  # forwards drafting >= i+1 tokens
 
     def summary(self) -> dict:
@@ -94,13 +101,13 @@ def replay(rows: list[dict], k: int, make) -> Tally:
             draft = propose(min(k, len(comp) - pos))
             dt = time.perf_counter() - t0
             if isinstance(draft, Tree):  # accepted: the path the recorded continuation takes
-                j = len(draft.walk(comp[pos:pos + k]))
+                j = len(draft.walk(comp[pos : pos + k]))
                 draft = [0] * max(draft.depths(), default=0)  # (its depth, for the per-position counts)
             else:
                 draft = draft[:k]
                 j = _verify(draft, comp[pos:])
             n = min(j + 1, len(comp) - pos)
-            commit(comp[pos:pos + n])
+            commit(comp[pos : pos + n])
             pos += n
             forwards += 1
             if counted:
@@ -117,8 +124,9 @@ def replay(rows: list[dict], k: int, make) -> Tally:
     return tally
 
 
-def ngramrl_factory(cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: dict | None = None,
-                    ceiling_out: dict | None = None):
+def ngramrl_factory(
+    cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: dict | None = None, ceiling_out: dict | None = None
+):
     def make():
         drafter = NgramDrafter(cfg)
         prefetchers = {b: FanoutPrefetcher(b) for b in budgets}
@@ -162,6 +170,7 @@ def ngramrl_factory(cfg: DrafterConfig, budgets=PREFETCH_BUDGETS, coverage_out: 
 
         seen = [0, 0]  # [outcomes whose bonus token had followed the last accepted token before, outcomes counted]
         return start, propose, commit, finish
+
     return make
 
 
@@ -183,6 +192,7 @@ def _bigram_seen(drafter: NgramDrafter, state, tokens: list[int]) -> bool:
 
 def tree_factory(cfg: DrafterConfig, nodes: int):
     """NgramRL's draft trees (`NgramDrafter.propose_tree`) of up to `nodes` tokens."""
+
     def make():
         drafter = NgramDrafter(cfg)
         st = {}
@@ -197,12 +207,14 @@ def tree_factory(cfg: DrafterConfig, nodes: int):
             drafter.observe(row["prompt_id"], row["completion_ids"])
 
         return start, lambda k: drafter.propose_tree(st["state"], k, nodes), commit, finish
+
     return make
 
 
 def prompt_lookup_factory(max_n: int = 3, min_n: int = 1):
     """vLLM's `ngram` proposer: the longest n-gram (max_n..min_n) ending the context that
     occurred earlier in prompt + output; propose what followed its earliest occurrence."""
+
     def make():
         st = {}
 
@@ -216,14 +228,15 @@ def prompt_lookup_factory(max_n: int = 3, min_n: int = 1):
                     continue
                 tail = ctx[-n:]
                 for i in range(len(ctx) - n):
-                    if ctx[i:i + n] == tail:
-                        return ctx[i + n:i + n + k]
+                    if ctx[i : i + n] == tail:
+                        return ctx[i + n : i + n + k]
             return []
 
         def commit(tokens):
             st["ctx"].extend(tokens)
 
         return start, propose, commit, lambda row: None
+
     return make
 
 
@@ -243,8 +256,9 @@ def suffix_factory(max_tree_depth: int = 24, max_spec_factor: float = 1.0, min_t
 
         def propose(k):
             pattern = st["ctx"][-max_tree_depth:]
-            d = cache.speculate(st["rid"], pattern, max_spec_tokens=k, max_spec_factor=max_spec_factor,
-                                min_token_prob=min_token_prob)
+            d = cache.speculate(
+                st["rid"], pattern, max_spec_tokens=k, max_spec_factor=max_spec_factor, min_token_prob=min_token_prob
+            )
             return list(d.token_ids)
 
         def commit(tokens):
@@ -255,6 +269,7 @@ def suffix_factory(max_tree_depth: int = 24, max_spec_factor: float = 1.0, min_t
             cache.stop_request(st["rid"])
 
         return start, propose, commit, finish
+
     return make
 
 
@@ -266,26 +281,36 @@ def run_bench(path: str, k: int, cfg: DrafterConfig | None = None, tree_nodes: i
     # prefetch coverage in its own pass, so NgramRL's lookup times are plain lookups
     replay(rows, k, ngramrl_factory(cfg, coverage_out=coverage, ceiling_out=ceiling))
     coverage["bigram_seen"] = ceiling.get("seen", 0.0)
-    results = {"ngramrl": replay(rows, k, ngramrl_factory(cfg, budgets=())).summary(),
-               f"ngramrl_tree{tree_nodes}": replay(rows, k, tree_factory(cfg, tree_nodes)).summary(),
-               "prompt_lookup": replay(rows, k, prompt_lookup_factory()).summary()}
+    results = {
+        "ngramrl": replay(rows, k, ngramrl_factory(cfg, budgets=())).summary(),
+        f"ngramrl_tree{tree_nodes}": replay(rows, k, tree_factory(cfg, tree_nodes)).summary(),
+        "prompt_lookup": replay(rows, k, prompt_lookup_factory()).summary(),
+    }
     try:
         results["suffix"] = replay(rows, k, suffix_factory()).summary()
     except ImportError:
-        print("note: arctic-inference is not installed (pip install arctic-inference==0.1.1); "
-              "SuffixDecoding skipped", file=sys.stderr)
-    results["no_drafter"] = replay(rows, k, lambda: (lambda r: None, lambda n: [], lambda t: None,
-                                                     lambda r: None)).summary()
+        print(
+            "note: arctic-inference is not installed (pip install arctic-inference==0.1.1); SuffixDecoding skipped",
+            file=sys.stderr,
+        )
+    results["no_drafter"] = replay(
+        rows, k, lambda: (lambda r: None, lambda n: [], lambda t: None, lambda r: None)
+    ).summary()
     return {"traces": path, "k": k, "lines": len(rows), "drafters": results, "prefetch_coverage": coverage}
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="loomrl bench drafter", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="loomrl bench drafter", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--traces", required=True, nargs="+", help="trace files (gzip JSONL)")
     ap.add_argument("--k", type=int, default=8, help="most draft tokens per forward")
-    ap.add_argument("--tree-nodes", type=int, default=16,
-                    help="NgramRL's draft trees: most tokens per tree (rollout.drafter.tree_nodes)")
+    ap.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=16,
+        help="NgramRL's draft trees: most tokens per tree (rollout.drafter.tree_nodes)",
+    )
     ap.add_argument("--json", action="store_true", help="end with one JSON object per trace file")
     args = ap.parse_args(argv)
     for path in args.traces:
@@ -298,21 +323,41 @@ def main(argv: list[str]) -> int:
         print(f"{'drafter':<15}{'tokens/forward':>15}{'mean accepted':>15}{'lookup p50 us':>15}{'lookup p99 us':>15}")
         base = out["drafters"]["ngramrl"]["tokens_per_forward"]
         for name, s in out["drafters"].items():
-            print(f"{name:<15}{s['tokens_per_forward']:>15.3f}{s['mean_accepted']:>15.3f}"
-                  f"{s['lookup_us_p50']:>15.1f}{s['lookup_us_p99']:>15.1f}"
-                  + ("" if name.startswith("ngramrl") else f"   ngramrl x{base / s['tokens_per_forward']:.2f}"))
+            print(
+                f"{name:<15}{s['tokens_per_forward']:>15.3f}{s['mean_accepted']:>15.3f}"
+                f"{s['lookup_us_p50']:>15.1f}{s['lookup_us_p99']:>15.1f}"
+                + ("" if name.startswith("ngramrl") else f"   ngramrl x{base / s['tokens_per_forward']:.2f}")
+            )
         suffix = out["drafters"].get("suffix")
         if suffix:
-            print("vs SuffixDecoding: " + ", ".join(
-                f"{name} x{s['tokens_per_forward'] / suffix['tokens_per_forward']:.2f}"
-                for name, s in out["drafters"].items() if name.startswith("ngramrl")))
+            print(
+                "vs SuffixDecoding: "
+                + ", ".join(
+                    f"{name} x{s['tokens_per_forward'] / suffix['tokens_per_forward']:.2f}"
+                    for name, s in out["drafters"].items()
+                    if name.startswith("ngramrl")
+                )
+            )
         cov = dict(out["prefetch_coverage"])
         seen = cov.pop("bigram_seen")
-        print("prefetch coverage: " + ", ".join(f"budget {b}: {c:.1%}" for b, c in cov.items())
-              + "  (all: every outcome the prefetcher can name, the ceiling of any budget)")
-        print(f"outcomes whose bonus token ever followed the last accepted token before: {seen:.1%} "
-              "(a prefetcher that predicts the bonus token from what followed the context can name no other)")
+        print(
+            "prefetch coverage: "
+            + ", ".join(f"budget {b}: {c:.1%}" for b, c in cov.items())
+            + "  (all: every outcome the prefetcher can name, the ceiling of any budget)"
+        )
+        print(
+            f"outcomes whose bonus token ever followed the last accepted token before: {seen:.1%} "
+            "(a prefetcher that predicts the bonus token from what followed the context can name no other)"
+        )
         if args.json:
-            print(json.dumps({"k": out["k"], "traces": path, "drafters": out["drafters"],
-                              "prefetch_coverage": out["prefetch_coverage"]}))
+            print(
+                json.dumps(
+                    {
+                        "k": out["k"],
+                        "traces": path,
+                        "drafters": out["drafters"],
+                        "prefetch_coverage": out["prefetch_coverage"],
+                    }
+                )
+            )
     return 0

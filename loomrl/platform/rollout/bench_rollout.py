@@ -37,6 +37,7 @@ same seed; greedy decoding), and where vLLM samples, total committed tokens with
 `{"workloads": [{"name", "engine", "plain_tokens_per_s", "drafted_tokens_per_s", "speedup",
 "tokens_per_forward"}, ...]}`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,22 +56,33 @@ log = logging.getLogger("loomrl.bench")
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACES = ROOT / "data" / "traces" / "traces_C.jsonl.gz"
-QWEN2_05B = dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-                 rope_theta=1_000_000.0)
+QWEN2_05B = dict(
+    hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, rope_theta=1_000_000.0
+)
 
 
 class Workload:
     """A policy, its prompts, sampling parameters, and (optionally) forced completions per batch,
     run by one engine kind ("torch": the built-in engine, or "vllm")."""
 
-    def __init__(self, name: str, model, batches: list[list], params, forced: Optional[list] = None,
-                 history: Optional[list] = None, engine: str = "torch"):
+    def __init__(
+        self,
+        name: str,
+        model,
+        batches: list[list],
+        params,
+        forced: Optional[list] = None,
+        history: Optional[list] = None,
+        engine: str = "torch",
+    ):
         self.name, self.model, self.batches, self.params, self.engine = name, model, batches, params, engine
         self.forced = forced or [None] * len(batches)
         self.history = history or []  # (prompt id, completion) the drafter has seen before
         if engine == "vllm" and any(f is not None for f in self.forced):
-            raise ValueError(f"workload {name}: vLLM cannot force completions (its custom logits "
-                             "processors are refused with speculative decoding)")
+            raise ValueError(
+                f"workload {name}: vLLM cannot force completions (its custom logits "
+                "processors are refused with speculative decoding)"
+            )
 
 
 def demo_workload(prompts: int = 32, rounds: int = 21, engine: str = "torch") -> Workload:
@@ -92,8 +104,14 @@ def vllm_demo_workload(prompts: int = 32, rounds: int = 11) -> Workload:
     return demo_workload(prompts, rounds, engine="vllm")
 
 
-def traced_workload(path: Path = TRACES, prompts: int = 2, samples: int = 2, tokens: int = 128,
-                    rounds: int = 4, shape: Optional[dict] = None) -> Workload:
+def traced_workload(
+    path: Path = TRACES,
+    prompts: int = 2,
+    samples: int = 2,
+    tokens: int = 128,
+    rounds: int = 4,
+    shape: Optional[dict] = None,
+) -> Workload:
     """The Qwen2-0.5B-shaped policy (or `shape`: ModelConfig sizes) with completions forced to the
     traces (module docstring)."""
     from loomrl.platform.rollout.base import Prompt, SamplingParams
@@ -108,16 +126,18 @@ def traced_workload(path: Path = TRACES, prompts: int = 2, samples: int = 2, tok
             by_prompt.setdefault(r["prompt_id"], []).append(r)
     chosen = [pid for pid, rs in by_prompt.items() if len(rs) >= samples * rounds][:prompts]
     if len(chosen) < prompts:
-        raise ValueError(f"{path}: fewer than {prompts} prompts with {samples * rounds} samples of {tokens}+ tokens "
-                         f"in round {last}")
+        raise ValueError(
+            f"{path}: fewer than {prompts} prompts with {samples * rounds} samples of {tokens}+ tokens in round {last}"
+        )
     model, remap = _trace_policy(rows, shape)
     history = [(r["prompt_id"], remap(r["completion_ids"])) for r in rows if r["round"] < last]
     prompt_of = {pid: Prompt(pid, remap(by_prompt[pid][0]["prompt_ids"])) for pid in chosen}
     batches, forced = [], []
     for b in range(rounds):  # each batch: `samples` recorded completions of each chosen prompt
         batches.append([prompt_of[pid] for pid in chosen])
-        forced.append([remap(by_prompt[pid][b * samples + s]["completion_ids"])
-                       for pid in chosen for s in range(samples)])
+        forced.append(
+            [remap(by_prompt[pid][b * samples + s]["completion_ids"]) for pid in chosen for s in range(samples)]
+        )
     params = SamplingParams(n=samples, temperature=1.0, max_new_tokens=tokens)
     return Workload("qwen2-0.5b", model, batches, params, forced, history)
 
@@ -141,15 +161,28 @@ def _trace_policy(rows: list[dict], shape: Optional[dict]):
         def __len__(self):
             return len(vocab) + 3
 
-    hf_config = {"model_type": "qwen2", "vocab_size": len(vocab) + 3, "tie_word_embeddings": True,
-                 "hidden_size": shape["hidden_size"], "num_hidden_layers": shape["num_layers"],
-                 "num_attention_heads": shape["num_heads"], "num_key_value_heads": shape["num_kv_heads"],
-                 "intermediate_size": shape["intermediate_size"], "rope_theta": shape.get("rope_theta", 1e6)}
+    hf_config = {
+        "model_type": "qwen2",
+        "vocab_size": len(vocab) + 3,
+        "tie_word_embeddings": True,
+        "hidden_size": shape["hidden_size"],
+        "num_hidden_layers": shape["num_layers"],
+        "num_attention_heads": shape["num_heads"],
+        "num_key_value_heads": shape["num_kv_heads"],
+        "intermediate_size": shape["intermediate_size"],
+        "rope_theta": shape.get("rope_theta", 1e6),
+    }
     return VLM(ModelConfig(**shape), Tokens(), hf_config).eval(), remap
 
 
-def greedy_workload(path: Path = TRACES, prompts: int = 6, tokens: int = 64, rounds: int = 4,
-                    shape: Optional[dict] = None, engine: str = "vllm") -> Workload:
+def greedy_workload(
+    path: Path = TRACES,
+    prompts: int = 6,
+    tokens: int = 64,
+    rounds: int = 4,
+    shape: Optional[dict] = None,
+    engine: str = "vllm",
+) -> Workload:
     """The Qwen2-0.5B-shaped policy decoding greedily, as an evaluation pass does, on prompts it has
     not seen before (each batch other prompts of the traces): what it drafts comes from its own
     output so far and the cross-prompt history, no prompt history. A random-weight model's greedy
@@ -165,10 +198,11 @@ def greedy_workload(path: Path = TRACES, prompts: int = 6, tokens: int = 64, rou
         first.setdefault(r["prompt_id"], r["prompt_ids"])
     if len(first) < prompts * rounds:
         raise ValueError(f"{path}: {len(first)} prompts, the greedy workload needs {prompts * rounds}")
-    ids = list(first)[:prompts * rounds]
-    batches = [[Prompt(pid, remap(first[pid])) for pid in ids[b * prompts:(b + 1) * prompts]] for b in range(rounds)]
-    return Workload("qwen2-0.5b-greedy", model, batches, SamplingParams(n=1, temperature=0.0, max_new_tokens=tokens),
-                    engine=engine)
+    ids = list(first)[: prompts * rounds]
+    batches = [[Prompt(pid, remap(first[pid])) for pid in ids[b * prompts : (b + 1) * prompts]] for b in range(rounds)]
+    return Workload(
+        "qwen2-0.5b-greedy", model, batches, SamplingParams(n=1, temperature=0.0, max_new_tokens=tokens), engine=engine
+    )
 
 
 def _engines(w: Workload):
@@ -215,7 +249,11 @@ def _measure(w: Workload, plain, drafted, seed: int) -> dict:
         for name in ABBA:
             g = torch.Generator(w.model.device).manual_seed(seed + i)
             engine = engines[name]
-            res = engine.generate(batch, w.params, g, forced) if forced is not None else engine.generate(batch, w.params, g)
+            res = (
+                engine.generate(batch, w.params, g, forced)
+                if forced is not None
+                else engine.generate(batch, w.params, g)
+            )
             runs[name].append(res)
         _check_same_work(w, i, runs)
         for r in runs["drafted"][0].rollouts:  # the batch's completions go into the history once, as in a run
@@ -237,8 +275,14 @@ def _measure(w: Workload, plain, drafted, seed: int) -> dict:
     plain_tps = tally["plain"][0] / tally["plain"][1]
     drafted_tps = tally["drafted"][0] / tally["drafted"][1]
     # the median of the batches' ratios: a slow spell of a shared machine hits all four runs of a batch
-    return {"name": w.name, "engine": w.engine, "plain_tokens_per_s": plain_tps, "drafted_tokens_per_s": drafted_tps,
-            "speedup": statistics.median(ratios), "tokens_per_forward": tally["drafted"][0] / max(1, forwards)}
+    return {
+        "name": w.name,
+        "engine": w.engine,
+        "plain_tokens_per_s": plain_tps,
+        "drafted_tokens_per_s": drafted_tps,
+        "speedup": statistics.median(ratios),
+        "tokens_per_forward": tally["drafted"][0] / max(1, forwards),
+    }
 
 
 def _check_same_work(w: Workload, batch: int, runs: dict) -> None:
@@ -256,21 +300,32 @@ def _check_same_total(w: Workload, tally: dict) -> None:
     batches they commit about as many tokens; a drafted engine that stops early would look faster."""
     plain, drafted = tally["plain"][0], tally["drafted"][0]
     if abs(drafted - plain) > SAMPLED_WORK_TOLERANCE * plain:
-        raise RuntimeError(f"workload {w.name}: the drafting engine committed {drafted} tokens, the plain one "
-                           f"{plain} (over {SAMPLED_WORK_TOLERANCE:.0%} apart): they did not do the same work")
+        raise RuntimeError(
+            f"workload {w.name}: the drafting engine committed {drafted} tokens, the plain one "
+            f"{plain} (over {SAMPLED_WORK_TOLERANCE:.0%} apart): they did not do the same work"
+        )
 
 
-WORKLOADS = {"demo": demo_workload, "qwen2-0.5b": traced_workload, "vllm-demo": vllm_demo_workload,
-             "vllm-qwen2-0.5b-greedy": greedy_workload}
+WORKLOADS = {
+    "demo": demo_workload,
+    "qwen2-0.5b": traced_workload,
+    "vllm-demo": vllm_demo_workload,
+    "vllm-qwen2-0.5b-greedy": greedy_workload,
+}
 TRACED = {"qwen2-0.5b", "vllm-qwen2-0.5b-greedy"}  # the workloads that take --traces
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="loomrl bench rollout", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="loomrl bench rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
-    ap.add_argument("--traces", type=Path, default=TRACES,
-                    help="qwen2-0.5b: the trace file whose rollouts are forced (default data/traces/traces_C.jsonl.gz)")
+    ap.add_argument(
+        "--traces",
+        type=Path,
+        default=TRACES,
+        help="qwen2-0.5b: the trace file whose rollouts are forced (default data/traces/traces_C.jsonl.gz)",
+    )
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     args = ap.parse_args(argv)
     names = [n for n in args.workloads.split(",") if n]
@@ -293,8 +348,10 @@ def main(argv: list[str]) -> int:
         log.info("%s: %.0f s", name, time.perf_counter() - t0)
     print(f"{'workload':<20}{'engine':<8}{'plain tok/s':>13}{'drafted tok/s':>15}{'speedup':>9}{'tok/forward':>13}")
     for r in results:
-        print(f"{r['name']:<20}{r['engine']:<8}{r['plain_tokens_per_s']:>13.1f}{r['drafted_tokens_per_s']:>15.1f}"
-              f"{r['speedup']:>9.2f}{r['tokens_per_forward']:>13.2f}")
+        print(
+            f"{r['name']:<20}{r['engine']:<8}{r['plain_tokens_per_s']:>13.1f}{r['drafted_tokens_per_s']:>15.1f}"
+            f"{r['speedup']:>9.2f}{r['tokens_per_forward']:>13.2f}"
+        )
     if args.json:
         print(json.dumps({"workloads": results}))
     return 0

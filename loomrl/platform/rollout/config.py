@@ -1,4 +1,5 @@
 """Settings of the rollout engines (`rollout`): sampling, the NgramRL drafter, vLLM."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

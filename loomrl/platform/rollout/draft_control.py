@@ -38,15 +38,16 @@ with its estimated gain and measured cost (`draft_k_gain`, `draft_k_row_cost_s`)
 rate (`draft_k<k>_row_tokens_per_s`) and the pooled acceptance by position
 (`draft_control_accept_pos<i>`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
 
 EXPLORE_FIRST, EXPLORE_MAX = 32, 256
-DECAY = 0.95         # an arm's cost: its seconds over its rows, both decayed by this per forward elapsed
+DECAY = 0.95  # an arm's cost: its seconds over its rows, both decayed by this per forward elapsed
 ACCEPT_DECAY = 0.99  # the acceptance by position: drafted and accepted counts, decayed by this per forward
-PROBE_ROWS = 16      # a (re)checked arm runs consecutive forwards until it has drafted for this many rows
+PROBE_ROWS = 16  # a (re)checked arm runs consecutive forwards until it has drafted for this many rows
 
 
 def arms(k_max: int) -> list[int]:
@@ -59,7 +60,7 @@ def arms(k_max: int) -> list[int]:
 
 
 class Choice(NamedTuple):
-    k: int          # draft depth: tokens per draft (0: plain decoding)
+    k: int  # draft depth: tokens per draft (0: plain decoding)
     nodes: int = 0  # > 0: a draft tree of at most this many tokens, at most k deep
 
 
@@ -67,11 +68,11 @@ class Choice(NamedTuple):
 class _Arm:
     k: int
     nodes: int = 0
-    rows: float = 0.0       # decayed sums over this arm's forwards: its cost is seconds per row
+    rows: float = 0.0  # decayed sums over this arm's forwards: its cost is seconds per row
     seconds: float = 0.0
-    tokens: float = 0.0     # ... and committed tokens (a tree arm's own gain: trees are not pooled)
-    measured: int = 0       # forwards measured
-    last: int = -1          # forward index of the last measurement
+    tokens: float = 0.0  # ... and committed tokens (a tree arm's own gain: trees are not pooled)
+    measured: int = 0  # forwards measured
+    last: int = -1  # forward index of the last measurement
     explore: int = EXPLORE_FIRST
 
     @property
@@ -84,11 +85,11 @@ class DraftController:
 
     def __init__(self, k_max: int, tree_nodes: int = 0):
         self.arms = [_Arm(k) for k in arms(k_max)] + ([_Arm(k_max, tree_nodes)] if tree_nodes > 0 else [])
-        self.offered = [0.0] * k_max    # decayed: rows allowed to draft position i
-        self.accepted = [0.0] * k_max   # ... that had positions 0..i accepted
-        self.best = 0           # index into arms
+        self.offered = [0.0] * k_max  # decayed: rows allowed to draft position i
+        self.accepted = [0.0] * k_max  # ... that had positions 0..i accepted
+        self.best = 0  # index into arms
         self.forwards = 0
-        self.chosen: list[Choice] = []   # each forward's draft since the last `summary`
+        self.chosen: list[Choice] = []  # each forward's draft since the last `summary`
         self._probing: int | None = None  # the arm being (re)checked, until it has seen PROBE_ROWS rows
         self._probe_rows = 0
 
@@ -159,21 +160,32 @@ class DraftController:
         out = {"draft_k_mean": sum(c.k for c in self.chosen) / n, "draft_k_best": self.arms[self.best].k}
         if self.arms[-1].nodes:
             out["draft_tree_share"] = sum(c.nodes > 0 for c in self.chosen) / n
-        out.update({(f"draft_tree{a.nodes}" if a.nodes else f"draft_k{a.k}") + "_row_tokens_per_s": self.rate(a)
-                    for a in self.arms if a.measured})
+        out.update(
+            {
+                (f"draft_tree{a.nodes}" if a.nodes else f"draft_k{a.k}") + "_row_tokens_per_s": self.rate(a)
+                for a in self.arms
+                if a.measured
+            }
+        )
         best = self.arms[self.best]
-        out["draft_k_gain"] = self.gain(best.k, best.nodes)   # expected tokens per row, best arm
-        out["draft_k_row_cost_s"] = best.cost                 # measured seconds per row, best arm
-        out.update({f"draft_control_accept_pos{i}": a / d for i, (a, d) in enumerate(zip(self.accepted, self.offered)) if d})
+        out["draft_k_gain"] = self.gain(best.k, best.nodes)  # expected tokens per row, best arm
+        out["draft_k_row_cost_s"] = best.cost  # measured seconds per row, best arm
+        out.update(
+            {f"draft_control_accept_pos{i}": a / d for i, (a, d) in enumerate(zip(self.accepted, self.offered)) if d}
+        )
         self.chosen = []
         return out
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "forwards": self.forwards, "probing": self._probing, "probe_rows": self._probe_rows,
-                "offered": list(self.offered),
-                "accepted": list(self.accepted),
-                "arms": [[a.k, a.nodes, a.rows, a.seconds, a.tokens, a.measured, a.last, a.explore]
-                         for a in self.arms]}
+        return {
+            "best": self.best,
+            "forwards": self.forwards,
+            "probing": self._probing,
+            "probe_rows": self._probe_rows,
+            "offered": list(self.offered),
+            "accepted": list(self.accepted),
+            "arms": [[a.k, a.nodes, a.rows, a.seconds, a.tokens, a.measured, a.last, a.explore] for a in self.arms],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         saved = {(row[0], row[1]): row for row in state["arms"] if len(row) == 8}  # (older layouts: start afresh)

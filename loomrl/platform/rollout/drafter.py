@@ -32,6 +32,7 @@ purge histories (earlier policies' completions remain good drafts).
 The one implementation serves the built-in rollout engine, vLLM's proposer
 hook and the trace-replay benchmark.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -42,14 +43,14 @@ from dataclasses import dataclass, field
 
 from loomrl.platform.rollout.config import DrafterConfig
 
-MAX_MATCH = 32          # backward match length is measured up to this many tokens
-MAX_OCCURRENCES = 64   # most recent occurrences of a key considered per lookup
+MAX_MATCH = 32  # backward match length is measured up to this many tokens
+MAX_OCCURRENCES = 64  # most recent occurrences of a key considered per lookup
 W_HISTORY, W_OWN, W_GLOBAL = 2.0, 20.0, 0.5
-RECENCY = 0.01          # extra weight per completion of recency within a prompt's history
-GLOBAL_BELOW = 4        # consult the cross-prompt history only when the best match is shorter
-SHORTER = 0.3           # draft trees: occurrences with shorter matches count, their weight times this
-                        # per token short (tuned on traces_A; 0 = the longest matches only, as single drafts)
-TREE_SMOOTH = 20.0      # draft trees: support of "none of the children" (tuned on traces_A)
+RECENCY = 0.01  # extra weight per completion of recency within a prompt's history
+GLOBAL_BELOW = 4  # consult the cross-prompt history only when the best match is shorter
+SHORTER = 0.3  # draft trees: occurrences with shorter matches count, their weight times this
+# per token short (tuned on traces_A; 0 = the longest matches only, as single drafts)
+TREE_SMOOTH = 20.0  # draft trees: support of "none of the children" (tuned on traces_A)
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Draft:
 
 
 POS_BITS = 24  # an occurrence is one int, seq_id << POS_BITS | pos: no per-entry Python
-               # objects for the garbage collector to walk (histories hold ~10^6 entries)
+# objects for the garbage collector to walk (histories hold ~10^6 entries)
 
 
 def _occ(sid: int, pos: int) -> int:
@@ -205,8 +206,10 @@ class NgramDrafter:
 
     def state_dict(self) -> dict:
         """Histories as plain lists (JSON), oldest first, prompts in LRU order."""
-        return {"prompts": [[key, list(h.seqs.values())] for key, h in self.histories.items()],
-                "global": list(self.global_history.seqs.values())}
+        return {
+            "prompts": [[key, list(h.seqs.values())] for key, h in self.histories.items()],
+            "global": list(self.global_history.seqs.values()),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Rebuild the histories; recency weights depend only on relative age, so
@@ -247,8 +250,9 @@ class NgramDrafter:
         cands = self._occurrences(ctx, hist, state)
         draft = _walk(cands, k) if cands else Draft([])
         if backoff:
-            draft.backoff = [self._next_counts(ctx + draft.tokens[:i], hist, state)
-                             for i in range(len(draft.tokens) + 1)]
+            draft.backoff = [
+                self._next_counts(ctx + draft.tokens[:i], hist, state) for i in range(len(draft.tokens) + 1)
+            ]
         return draft
 
     def propose_tree(self, state: DraftState, k: int, nodes: int, smooth: float = TREE_SMOOTH) -> Tree:
@@ -295,8 +299,11 @@ class NgramDrafter:
         out = _longest(found, shorter)
         g = self.global_history
         if g.seqs and (not found or max(f[0] for f in found) < GLOBAL_BELOW):
-            cross = [(_match_len(ctx, g.seqs[sid], pos), g.seqs[sid], pos, W_GLOBAL)
-                     for sid, pos in map(_split, _lookup(g.index, g.unigram, ctx)) if pos < len(g.seqs[sid])]
+            cross = [
+                (_match_len(ctx, g.seqs[sid], pos), g.seqs[sid], pos, W_GLOBAL)
+                for sid, pos in map(_split, _lookup(g.index, g.unigram, ctx))
+                if pos < len(g.seqs[sid])
+            ]
             out += _longest(cross, shorter)
         return out
 

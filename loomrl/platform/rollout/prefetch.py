@@ -18,6 +18,7 @@ a full accept, j = L, the counts at position L). An outcome not prepared
 falls back to a plain lookup: the draft is the same either way (the drafter
 is deterministic in the context), so committed tokens never change.
 """
+
 from __future__ import annotations
 
 from loomrl.platform.rollout.drafter import Draft
@@ -52,7 +53,7 @@ class FanoutPrefetcher:
                     p_b[tok] = p_b.get(tok, 0.0) + share * v / mass
             scored.extend((p_j * p, j, tok) for tok, p in p_b.items())
         scored.sort(key=lambda s: -s[0])
-        return [(j, tok) for _, j, tok in scored[:self.budget]]
+        return [(j, tok) for _, j, tok in scored[: self.budget]]
 
     def observe(self, draft_len: int, accepted: int, covered: bool) -> None:
         """Record a verification outcome (and whether it had been prepared)."""
@@ -64,4 +65,3 @@ class FanoutPrefetcher:
     @property
     def coverage(self) -> float:
         return self.covered / self.planned if self.planned else 0.0
-

@@ -24,6 +24,7 @@ quantity the trainer recomputes (top-p changes what can be drawn, not the
 reported value). Rejected draft tokens leave the KV cache after each forward
 (`drop_rejected`), which is the rollback.
 """
+
 from __future__ import annotations
 
 import time
@@ -35,8 +36,8 @@ import torch
 
 from loomrl.platform.backbone.vlm import VLM
 from loomrl.platform.placement import to_device, to_host
-from loomrl.platform.rollout.config import DrafterConfig
 from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
+from loomrl.platform.rollout.config import DrafterConfig
 from loomrl.platform.rollout.draft_control import Choice, DraftController
 from loomrl.platform.rollout.drafter import Draft, NgramDrafter, Tree
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
@@ -80,15 +81,14 @@ def position_keyed_sample(probs: torch.Tensor, row_seeds: torch.Tensor, position
     x = x ^ _shift_right(x, 27)
     x = x * _MIX2
     x = x ^ _shift_right(x, 31)
-    u = (_shift_right(x, 11).double() + 0.5) * 2.0 ** -53  # in (0, 1)
+    u = (_shift_right(x, 11).double() + 0.5) * 2.0**-53  # in (0, 1)
     cdf = probs.double().cumsum(-1)
     # the first token whose cumulative probability reaches u: a token of probability 0 never is
     token = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None]).squeeze(-1)
     return token.clamp(max=probs.shape[-1] - 1)
 
 
-def drop_rejected(mask: torch.Tensor, cache, col0: int, kept: torch.Tensor,
-                  path: Optional[torch.Tensor] = None):
+def drop_rejected(mask: torch.Tensor, cache, col0: int, kept: torch.Tensor, path: Optional[torch.Tensor] = None):
     """The mask and KV cache after a verifying forward that appended columns col0.. : row i keeps
     kept[i] of them, the first ones, or with `path` [B, >= kept] the columns path[i, :kept[i]] (its
     last token and its accepted drafts, a path through a draft tree), moved to the block's right
@@ -108,8 +108,12 @@ def drop_rejected(mask: torch.Tensor, cache, col0: int, kept: torch.Tensor,
     new_cache = []
     for k, v in cache:
         i = idx.expand(k.shape[0], k.shape[1], keep, k.shape[3])
-        new_cache.append((torch.cat([k[:, :, :col0], k[:, :, col0:].gather(2, i)], dim=2),
-                          torch.cat([v[:, :, :col0], v[:, :, col0:].gather(2, i)], dim=2)))
+        new_cache.append(
+            (
+                torch.cat([k[:, :, :col0], k[:, :, col0:].gather(2, i)], dim=2),
+                torch.cat([v[:, :, :col0], v[:, :, col0:].gather(2, i)], dim=2),
+            )
+        )
     return new_mask, new_cache
 
 
@@ -124,15 +128,16 @@ def tree_mask(parent: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     return sees
 
 
-def left_pad(rows: list[list[int]], pad_id: int, device: torch.device = torch.device("cpu")
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    rows: list[list[int]], pad_id: int, device: torch.device = torch.device("cpu")
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and attention mask, built on the host and moved to `device` once."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
     return to_device(ids, device), to_device(mask, device)
 
 
@@ -140,12 +145,12 @@ def left_pad(rows: list[list[int]], pad_id: int, device: torch.device = torch.de
 class DraftStats:
     """Drafting counters of one generate() call."""
 
-    drafted_by_pos: list[int] = field(default_factory=list)   # forwards that drafted >= i+1 tokens
+    drafted_by_pos: list[int] = field(default_factory=list)  # forwards that drafted >= i+1 tokens
     accepted_by_pos: list[int] = field(default_factory=list)  # ... and had position i accepted
     lookup_s: float = 0.0
     lookups: int = 0
-    prefetched: int = 0     # verification outcomes whose next draft had been prepared
-    outcomes: int = 0       # verification outcomes that needed a next draft
+    prefetched: int = 0  # verification outcomes whose next draft had been prepared
+    outcomes: int = 0  # verification outcomes that needed a next draft
 
     @property
     def coverage(self) -> float:
@@ -171,8 +176,11 @@ class TorchRolloutEngine:
         self._pool = ThreadPoolExecutor(1) if self.prefetcher and self.prefetcher.budget > 0 else None
         # rollout.drafter.adaptive: each forward's draft length chosen by measured rate (draft_control.py)
         self.tree_nodes = self.drafter_cfg.tree_nodes if self.drafter_cfg else 0
-        self.control = (DraftController(self.drafter_cfg.k, self.tree_nodes)
-                        if self.drafter_cfg and self.drafter_cfg.adaptive else None)
+        self.control = (
+            DraftController(self.drafter_cfg.k, self.tree_nodes)
+            if self.drafter_cfg and self.drafter_cfg.adaptive
+            else None
+        )
         self.last_stats = DraftStats()
         self.spec_metrics: dict = {}
 
@@ -185,8 +193,11 @@ class TorchRolloutEngine:
         key = (state.key, k, nodes, tuple(state.tokens))
         d = memo.get(key)
         if d is None:
-            d = memo[key] = (self.drafter.propose_tree(state, k, nodes) if nodes
-                             else self.drafter.propose(state, k, backoff=self._pool is not None))
+            d = memo[key] = (
+                self.drafter.propose_tree(state, k, nodes)
+                if nodes
+                else self.drafter.propose(state, k, backoff=self._pool is not None)
+            )
         stats.lookup_s += time.perf_counter() - t0
         stats.lookups += 1
         return d
@@ -207,9 +218,13 @@ class TorchRolloutEngine:
     # ------------------------------------------------------------------ generate
 
     @torch.no_grad()
-    def generate(self, prompts: list[Prompt], params: SamplingParams,
-                 generator: Optional[torch.Generator] = None,
-                 forced: Optional[list[list[int]]] = None) -> RolloutResult:
+    def generate(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        generator: Optional[torch.Generator] = None,
+        forced: Optional[list[list[int]]] = None,
+    ) -> RolloutResult:
         """forced (benchmarks): per row (prompt-major, n per prompt), the completion to commit
         instead of sampling, at least max_new_tokens long: every forward runs as it would, the
         target's distribution is a point mass on the forced token, so drafts are accepted exactly
@@ -230,11 +245,12 @@ class TorchRolloutEngine:
         if forced is not None:
             if len(forced) != b or min(len(f) for f in forced) < params.max_new_tokens:
                 raise ValueError(f"forced: {b} completions of at least {params.max_new_tokens} tokens expected")
-            force = to_device(torch.tensor([f[:params.max_new_tokens] for f in forced]), dev)
+            force = to_device(torch.tensor([f[: params.max_new_tokens] for f in forced]), dev)
 
         def point_mass(probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             tok = force.gather(1, positions.clamp(max=force.shape[1] - 1))
             return torch.zeros_like(probs).scatter_(-1, tok.view(*probs.shape[:-1], 1), 1.0)
+
         ids, mask = left_pad([prompts[pi].ids for pi, _ in rows], model.pad_token_id, dev)
         # M-RoPE: image tokens take (t, h, w) positions; generated tokens continue from the
         # prompt's largest position + 1 (rope_deltas), as in transformers' Qwen2-VL
@@ -273,7 +289,7 @@ class TorchRolloutEngine:
                 n = min(k_now, left) if nodes_now else min(k_now, cap[i], left)
                 if i in ready and not nodes_now:  # deterministic drafter: a shorter draft is a prefix of a longer one
                     d = ready[i]
-                    out[i] = Draft(d.tokens[:n], d.alternatives[:n + 1], d.backoff[:n + 1])
+                    out[i] = Draft(d.tokens[:n], d.alternatives[: n + 1], d.backoff[: n + 1])
                     continue
                 if states[i] is None:
                     states[i] = self.drafter.start(prompts[rows[i][0]].id, prompts[rows[i][0]].ids + tokens[i])
@@ -310,27 +326,34 @@ class TorchRolloutEngine:
             for r, i in enumerate(live):
                 d = drafts[i] if i in drafts else Tree()
                 m = len(d.tokens)
-                step_ids[r, :1 + m] = torch.tensor([tokens[i][-1]] + d.tokens)
-                step_mask[r, :1 + m] = 1
-                draft[r, 1:1 + m] = torch.tensor(d.tokens, dtype=torch.long)
+                step_ids[r, : 1 + m] = torch.tensor([tokens[i][-1]] + d.tokens)
+                step_mask[r, : 1 + m] = 1
+                draft[r, 1 : 1 + m] = torch.tensor(d.tokens, dtype=torch.long)
                 if tree:
-                    parent[r, 1:1 + m] = torch.tensor(d.parents, dtype=torch.long) + 1
-                    depth[r, 1:1 + m] = torch.tensor(d.depths(), dtype=torch.long)
+                    parent[r, 1 : 1 + m] = torch.tensor(d.parents, dtype=torch.long) + 1
+                    depth[r, 1 : 1 + m] = torch.tensor(d.depths(), dtype=torch.long)
                 else:
-                    parent[r, 1:1 + m] = torch.arange(m)
-                    depth[r, 1:1 + m] = torch.arange(1, m + 1)
+                    parent[r, 1 : 1 + m] = torch.arange(m)
+                    depth[r, 1 : 1 + m] = torch.arange(1, m + 1)
             # the host-built step goes to the device in one copy
             step = to_device(torch.cat([step_ids, step_mask, draft, parent, depth, counts], dim=1), dev)
             step_ids, step_mask, draft, parent, depth, counts = step.split([width] * 5 + [1], dim=1)
             mask = torch.cat([mask, step_mask], dim=1)
             col0 = mask.shape[1] - width
-            future = (self._pool.submit(self._prefetch, states, dict(drafts), k)
-                      if self._pool and drafts and not tree else None)
-            logits, cache = model.forward_embeds(model.language_model.embed(step_ids), mask, cache,
-                                                 rope_deltas=rope_deltas,
-                                                 tree=(depth, tree_mask(parent, depth)) if tree else None)
+            future = (
+                self._pool.submit(self._prefetch, states, dict(drafts), k)
+                if self._pool and drafts and not tree
+                else None
+            )
+            logits, cache = model.forward_embeds(
+                model.language_model.embed(step_ids),
+                mask,
+                cache,
+                rope_deltas=rope_deltas,
+                tree=(depth, tree_mask(parent, depth)) if tree else None,
+            )
             forwards += 1
-            logp = model.token_logprobs(logits, report_t)                       # [B, W, V]
+            logp = model.token_logprobs(logits, report_t)  # [B, W, V]
             probs = target_probs(logp, params.temperature, params.top_p)
             if force is not None:
                 probs = point_mass(probs, counts + depth)
@@ -345,12 +368,10 @@ class TorchRolloutEngine:
                 accepted = torch.zeros((n, width), dtype=torch.bool, device=dev)
                 accepted[:, 0] = True
                 for level in range(1, int(depth.max()) + 1):
-                    accepted |= ((depth == level) & (draft == sample.gather(1, parent))
-                                 & accepted.gather(1, parent))
-                j = (depth * accepted).amax(dim=1)                               # [B]
+                    accepted |= (depth == level) & (draft == sample.gather(1, parent)) & accepted.gather(1, parent)
+                j = (depth * accepted).amax(dim=1)  # [B]
                 path = torch.zeros((n, width + 1), dtype=torch.long, device=dev)  # column at each depth
-                path.scatter_(1, torch.where(accepted, depth, width),
-                              torch.arange(width, device=dev).expand(n, width))
+                path.scatter_(1, torch.where(accepted, depth, width), torch.arange(width, device=dev).expand(n, width))
                 path = path[:, :width]
             else:  # a single draft: columns in order, accepted up to the first mismatch
                 accept = (sample[:, :-1] == draft[:, 1:]) & (draft[:, 1:] >= 0)
@@ -364,13 +385,22 @@ class TorchRolloutEngine:
             levels = torch.arange(1, k + 1, device=dev)[None] if k else torch.zeros((1, 0), device=dev)
             n_drafted = (depth.amax(dim=1)[:, None] >= levels).sum(dim=0)
             n_accepted = (j[:, None] >= levels).sum(dim=0)
-            host = to_host(torch.cat([j[:, None].double(), committed.double(), committed_logp.double(),
-                                      torch.cat([n_drafted, n_accepted]).double()[None].expand(n, -1)], dim=1))
+            host = to_host(
+                torch.cat(
+                    [
+                        j[:, None].double(),
+                        committed.double(),
+                        committed_logp.double(),
+                        torch.cat([n_drafted, n_accepted]).double()[None].expand(n, -1),
+                    ],
+                    dim=1,
+                )
+            )
             j_list = host[:, 0].long().tolist()
-            comm_list = host[:, 1:1 + width].long().tolist()
-            comm_logp = host[:, 1 + width:1 + 2 * width].tolist()
-            n_drafted = host[0, 1 + 2 * width:1 + 2 * width + k].long().tolist()
-            n_accepted = host[0, 1 + 2 * width + k:].long().tolist()
+            comm_list = host[:, 1 : 1 + width].long().tolist()
+            comm_logp = host[:, 1 + width : 1 + 2 * width].tolist()
+            n_drafted = host[0, 1 + 2 * width : 1 + 2 * width + k].long().tolist()
+            n_accepted = host[0, 1 + 2 * width + k :].long().tolist()
             for pos in range(k):
                 stats.drafted_by_pos[pos] += n_drafted[pos]
                 stats.accepted_by_pos[pos] += n_accepted[pos]
@@ -378,8 +408,8 @@ class TorchRolloutEngine:
             committed_now = 0
             for r, i in enumerate(live):
                 ji = j_list[r]
-                new = comm_list[r][:ji + 1]
-                new_logp = comm_logp[r][:ji + 1]
+                new = comm_list[r][: ji + 1]
+                new_logp = comm_logp[r][: ji + 1]
                 if model.eos_token_id in new:
                     cut = new.index(model.eos_token_id) + 1
                     new, new_logp = new[:cut], new_logp[:cut]
@@ -415,13 +445,14 @@ class TorchRolloutEngine:
         self.last_stats = stats
         self.spec_metrics = control.summary() if control is not None else {}
         rollouts = [
-            Rollout(pi, j, tokens[i], logps[i],
-                    "stop" if tokens[i][-1] == model.eos_token_id else "length")
-            for i, (pi, j) in enumerate(rows)]
+            Rollout(pi, j, tokens[i], logps[i], "stop" if tokens[i][-1] == model.eos_token_id else "length")
+            for i, (pi, j) in enumerate(rows)
+        ]
         return RolloutResult(rollouts, forwards, time.perf_counter() - start, seq_forwards)
 
-    def generate_plain(self, prompts: list[Prompt], params: SamplingParams,
-                       generator: Optional[torch.Generator] = None) -> Optional[RolloutResult]:
+    def generate_plain(
+        self, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
+    ) -> Optional[RolloutResult]:
         """The same batch, same weights, no drafter (timed side by side with drafting)."""
         if self.drafter is None:
             return None

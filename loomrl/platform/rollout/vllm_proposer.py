@@ -31,6 +31,7 @@ a run and its resume, commit other tokens from the first step whose chosen lengt
 `rollout.drafter.adaptive: false` (a fixed k) keeps seeded vLLM runs reproducible; greedy runs are
 reproducible either way.
 """
+
 from __future__ import annotations
 
 import re
@@ -60,17 +61,23 @@ class NgramRLProposer:
         self.control: Optional[DraftController] = None  # rollout.drafter.adaptive
         self.runner = None
         self.batch = -1
-        self.prompts: list[tuple[str, list[int]]] = []   # (prompt key, prompt ids) by prompt index
-        self.states: dict[str, DraftState] = {}            # request id -> its draft state
-        self.caps: dict[str, int] = {}                     # request id -> its longest next draft (adaptive)
-        self.tally = _tally(self.k)                         # drafts verified since the last `rpc_end_batch`
+        self.prompts: list[tuple[str, list[int]]] = []  # (prompt key, prompt ids) by prompt index
+        self.states: dict[str, DraftState] = {}  # request id -> its draft state
+        self.caps: dict[str, int] = {}  # request id -> its longest next draft (adaptive)
+        self.tally = _tally(self.k)  # drafts verified since the last `rpc_end_batch`
         self._step: Optional[tuple[float, dict[str, int]]] = None  # last step: its start, draft length per request
 
     def load_model(self, *args, **kwargs) -> None:
         """No model: the drafter lives on the host, built from finished rollouts."""
 
-    def begin(self, runner, cfg: DrafterConfig, batch: int, prompts: list[tuple[str, list[int]]],
-              observed: list[tuple[str, list[int]]]) -> None:
+    def begin(
+        self,
+        runner,
+        cfg: DrafterConfig,
+        batch: int,
+        prompts: list[tuple[str, list[int]]],
+        observed: list[tuple[str, list[int]]],
+    ) -> None:
         self._build(cfg)
         self.runner = runner
         for key, completion in observed:
@@ -83,8 +90,9 @@ class NgramRLProposer:
             self.drafter = NgramDrafter(cfg)
             self.control = DraftController(self.k) if cfg.adaptive else None
 
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
-                **kwargs) -> list[list[int]]:
+    def propose(
+        self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **kwargs
+    ) -> list[list[int]]:
         now = time.perf_counter()
         req_ids = self.runner.input_batch.req_ids if self.runner is not None else []
         if self._step is not None:
@@ -92,8 +100,11 @@ class NgramRLProposer:
         k = self.control.choose().k if self.control is not None else self.k
         lengths_before = self._step[1] if self._step is not None else {}
         if k == 0:  # plain decoding this step: no lookups, and a request's state catches up when it next drafts
-            lengths = {rid: 0 for rid, sampled in zip(req_ids, sampled_token_ids)
-                       if len(sampled) and (rid in lengths_before or self._ours(rid))}
+            lengths = {
+                rid: 0
+                for rid, sampled in zip(req_ids, sampled_token_ids)
+                if len(sampled) and (rid in lengths_before or self._ours(rid))
+            }
             self._step = (now, lengths)
             return [[] for _ in sampled_token_ids]
         drafts: list[list[int]] = []
@@ -105,10 +116,10 @@ class NgramRLProposer:
                 continue
             n = int(num_tokens_no_spec[i])
             if n > len(state.tokens):  # tokens committed since the last step (prompt ids already in)
-                state.extend(token_ids_cpu[i, len(state.tokens):n].tolist())
+                state.extend(token_ids_cpu[i, len(state.tokens) : n].tolist())
             rid = req_ids[i]
             if self.control is not None and lengths_before.get(rid):  # as the built-in engine: at most twice
-                self.caps[rid] = 2 * len(sampled)                      # what its last draft got committed
+                self.caps[rid] = 2 * len(sampled)  # what its last draft got committed
             n_draft = min(k, self.caps.get(rid, k))
             drafts.append(self.drafter.propose(state, n_draft).tokens if n_draft > 0 else [])
             lengths[rid] = len(drafts[-1])

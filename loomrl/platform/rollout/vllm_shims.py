@@ -39,6 +39,7 @@ Qwen2-Audio needs none of this.
    runs the plain sampler alone for such a step: the same sampler, generators, logits and
    log-probs mode, and the same output layout (one token per row), so the same tokens.
 """
+
 from __future__ import annotations
 
 import functools
@@ -65,8 +66,10 @@ def _smart_resize_module() -> types.ModuleType:
     def __getattr__(name):
         if name.startswith("__"):  # module introspection (inspect, pickle) must see a plain module
             raise AttributeError(name)
-        raise ImportError(f"{_TV_MODULE}.{name} needs torchvision, which is not installed "
-                          "(loomrl's stand-in offers only smart_resize)")
+        raise ImportError(
+            f"{_TV_MODULE}.{name} needs torchvision, which is not installed "
+            "(loomrl's stand-in offers only smart_resize)"
+        )
 
     mod.__getattr__ = __getattr__
     return mod
@@ -88,8 +91,10 @@ def _inert_video_processor_class():
             self.merge_size, self.patch_size, self.temporal_patch_size = merge_size, patch_size, temporal_patch_size
 
         def __call__(self, *args, **kwargs):
-            raise RuntimeError("video input needs torchvision, which is not installed here "
-                               "(loomrl's inert video processor; images and audio work)")
+            raise RuntimeError(
+                "video input needs torchvision, which is not installed here "
+                "(loomrl's inert video processor; images and audio work)"
+            )
 
         preprocess = __call__
 
@@ -132,9 +137,12 @@ def _wrap_auto_video_processor() -> None:
 def _subprocess_command() -> list[str]:
     """vLLM's registry child (`python -m vllm.model_executor.models.registry`), shims first."""
     root = str(Path(__file__).resolve().parents[3])  # loomrl importable even when not installed
-    return [sys.executable, "-c",
-            f"import sys; sys.path.insert(0, {root!r}); import {__name__} as s; s.apply(); "
-            "from vllm.model_executor.models.registry import _run; _run()"]
+    return [
+        sys.executable,
+        "-c",
+        f"import sys; sys.path.insert(0, {root!r}); import {__name__} as s; s.apply(); "
+        "from vllm.model_executor.models.registry import _run; _run()",
+    ]
 
 
 def apply() -> bool:
@@ -214,6 +222,7 @@ def _plain_when_no_drafts(forward):
         if metadata.max_spec_len == 0:  # no row has a draft: every logits row is a bonus row
             return self.sampler(logits=logits[metadata.bonus_logits_indices], sampling_metadata=sampling_metadata)
         return forward(self, metadata, draft_probs, logits, sampling_metadata)
+
     wrapper._loomrl_plain_when_no_drafts = True
     return wrapper
 

@@ -17,6 +17,7 @@ or larger than the token budget on its own, is dropped with that reason (the
 store counts it). Ready groups are considered oldest version first, then in the
 order they completed, so nothing waits behind newer work forever.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,9 +30,9 @@ Policy = Literal["train_batch", "mini_batch"]
 
 @dataclass
 class Quota:
-    groups: int             # complete groups (prompts) per mini-batch
-    mini_batches: int = 1   # mini-batches per train batch
-    max_tokens: int = 0     # token budget per mini-batch (0 = none)
+    groups: int  # complete groups (prompts) per mini-batch
+    mini_batches: int = 1  # mini-batches per train batch
+    max_tokens: int = 0  # token budget per mini-batch (0 = none)
     max_staleness: int = -1  # most versions a trajectory may lag its optimizer step (-1 = no limit)
 
 
@@ -60,8 +61,9 @@ def drop_unadmittable(store: TrajectoryStore, quota: Quota, trainer_version: int
             store.drop(g, "over_token_budget")
 
 
-def admit(store: TrajectoryStore, policy: Policy, quota: Quota, trainer_version: int,
-          now: float = 0.0) -> list[list[Group]]:
+def admit(
+    store: TrajectoryStore, policy: Policy, quota: Quota, trainer_version: int, now: float = 0.0
+) -> list[list[Group]]:
     """The mini-batches admitted now, in training order ([] = wait for more).
 
     trainer_version: the policy version the next optimizer step applies to."""
@@ -88,8 +90,9 @@ def staleness(groups: list[Group], step_version: int) -> list[int]:
     return [step_version - t.version for g in groups for t in g.trajectories]
 
 
-def admit_ready(store: TrajectoryStore, policy: Policy, quota: Quota, trainer_version: int,
-                now: float = 0.0) -> list[list[Group]]:
+def admit_ready(
+    store: TrajectoryStore, policy: Policy, quota: Quota, trainer_version: int, now: float = 0.0
+) -> list[list[Group]]:
     """Every mini-batch admissible now, in training order (the colocated loop, where a
     step's groups are all ready at once, trains them one after another)."""
     out: list[list[Group]] = []
@@ -103,8 +106,7 @@ def admit_ready(store: TrajectoryStore, policy: Policy, quota: Quota, trainer_ve
 def recipe_quota(recipe) -> Quota:
     """The quotas a recipe sets (loomrl.platform.recipe.Recipe)."""
     tr, pl = recipe.training, recipe.pipeline
-    return Quota(tr.prompts_per_step // tr.mini_batches, tr.mini_batches, pl.tokens_per_mini_batch,
-                 pl.max_staleness)
+    return Quota(tr.prompts_per_step // tr.mini_batches, tr.mini_batches, pl.tokens_per_mini_batch, pl.max_staleness)
 
 
 def admit_step(store: TrajectoryStore, recipe, trajs: list, step: int) -> list[list[Group]]:
@@ -119,7 +121,9 @@ def admit_step(store: TrajectoryStore, recipe, trajs: list, step: int) -> list[l
     for g in list(store.ready):
         store.drop(g, "not_admitted")
     if not admitted:
-        raise RuntimeError(f"RL step {step}: no mini-batch could be admitted (quota "
-                           f"{recipe_quota(recipe)}); raise pipeline.tokens_per_mini_batch or "
-                           f"pipeline.max_staleness")
+        raise RuntimeError(
+            f"RL step {step}: no mini-batch could be admitted (quota "
+            f"{recipe_quota(recipe)}); raise pipeline.tokens_per_mini_batch or "
+            f"pipeline.max_staleness"
+        )
     return admitted

@@ -26,6 +26,7 @@ groups in flight while the trainer steps, about (workers + groups started during
 a step) / groups per mini-batch. Fewer mini-batches per train batch, or more
 workers in flight per mini-batch, shrink the gap.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,15 +48,15 @@ from loomrl.platform.trajectory.store import TrajectoryStore
 @dataclass
 class Workload:
     workers: int = 4
-    n: int = 8                      # samples per prompt (group size)
+    n: int = 8  # samples per prompt (group size)
     groups_per_mini_batch: int = 32
-    mini_batches: int = 16          # per train batch (train batch = 512 prompts)
-    train_batches: int = 4          # measured after one warm-up train batch
+    mini_batches: int = 16  # per train batch (train batch = 512 prompts)
+    train_batches: int = 4  # measured after one warm-up train batch
     prompt_len: int = 256
     median_len: float = 400.0
     sigma: float = 1.0
     max_len: int = 8192
-    trainer_speed: float = 6.0      # trainer token rate / rollout fleet token rate
+    trainer_speed: float = 6.0  # trainer token rate / rollout fleet token rate
     image_bytes: int = 1024 * 1176 * 4  # a 448x448 image as Qwen2-VL patches (fp32)
 
 
@@ -80,7 +81,7 @@ def simulate(policy: str, w: Workload, seed: int = 0, deaths: dict[int, float] |
     quota = Quota(w.groups_per_mini_batch, w.mini_batches)
     train_rate = w.trainer_speed * _fleet_token_rate(w, seed)
     image = torch.zeros(1).expand(w.image_bytes // 4)  # its size counts, no memory behind it
-    serial = iter(range(10 ** 9))
+    serial = iter(range(10**9))
     target_steps = w.mini_batches * (w.train_batches + 1)
     cap = w.groups_per_mini_batch * w.mini_batches  # finished groups allowed to wait
 
@@ -92,7 +93,7 @@ def simulate(policy: str, w: Workload, seed: int = 0, deaths: dict[int, float] |
         return out
 
     events: list = []  # (time, order, kind, payload)
-    order = iter(range(10 ** 12))
+    order = iter(range(10**12))
     version = 0
     now = 0.0
     idle_workers: list[int] = []
@@ -114,9 +115,9 @@ def simulate(policy: str, w: Workload, seed: int = 0, deaths: dict[int, float] |
         heapq.heappush(events, (t, next(order), "death", wk))
 
     trainer_busy_until = 0.0
-    queue: list = []        # admitted mini-batches waiting for the trainer
+    queue: list = []  # admitted mini-batches waiting for the trainer
     steps = 0
-    measured_from = None    # time the first measured step starts
+    measured_from = None  # time the first measured step starts
     busy = 0.0
     stale: list[int] = []
     waits: list[float] = []
@@ -154,8 +155,9 @@ def simulate(policy: str, w: Workload, seed: int = 0, deaths: dict[int, float] |
             disp.complete(worker, job.key)
             prompt_id, medium = job.prompt
             for L in lengths:
-                store.put(Trajectory(prompt_id, 0, [0] * w.prompt_len, [0] * L, [medium], [], 0.0, gen_version),
-                          job.key, now)
+                store.put(
+                    Trajectory(prompt_id, 0, [0] * w.prompt_len, [0] * L, [medium], [], 0.0, gen_version), job.key, now
+                )
             start(worker)
         elif kind == "death":
             disp.worker_died(payload, "injected")
@@ -206,27 +208,35 @@ def main(argv: list[str]) -> int:
         res[policy] = {k: v for k, v in r.items() if k not in ("store", "dispatcher")}
     tb, mb = res["train_batch"], res["mini_batch"]
     out = {
-        "train_batch": {k: round(tb[k], 4) for k in ("mean_staleness", "max_staleness", "trainer_idle_frac",
-                                                     "admission_wait_mean")},
-        "mini_batch": {k: round(mb[k], 4) for k in ("mean_staleness", "max_staleness", "trainer_idle_frac",
-                                                    "admission_wait_mean")},
+        "train_batch": {
+            k: round(tb[k], 4) for k in ("mean_staleness", "max_staleness", "trainer_idle_frac", "admission_wait_mean")
+        },
+        "mini_batch": {
+            k: round(mb[k], 4) for k in ("mean_staleness", "max_staleness", "trainer_idle_frac", "admission_wait_mean")
+        },
         "staleness_reduction": round(1.0 - mb["mean_staleness"] / max(tb["mean_staleness"], 1e-12), 4),
-        "bytes_per_mini_batch": {"dedup": round(mb["bytes_per_mini_batch"]),
-                                 "no_dedup": round(mb["bytes_per_mini_batch_no_dedup"]),
-                                 "ratio": round(mb["bytes_per_mini_batch_no_dedup"] / mb["bytes_per_mini_batch"], 2)},
+        "bytes_per_mini_batch": {
+            "dedup": round(mb["bytes_per_mini_batch"]),
+            "no_dedup": round(mb["bytes_per_mini_batch_no_dedup"]),
+            "ratio": round(mb["bytes_per_mini_batch_no_dedup"] / mb["bytes_per_mini_batch"], 2),
+        },
     }
     if not args.json:
-        print(f"workload: {w.workers} rollout workers, 1 trainer; train batch {w.groups_per_mini_batch * w.mini_batches} "
-              f"prompts x {w.n} samples = {w.mini_batches} mini-batches of {w.groups_per_mini_batch} prompts; "
-              f"response lengths log-normal (median {w.median_len:.0f}, sigma {w.sigma}, cap {w.max_len}); "
-              f"trainer {w.trainer_speed}x the fleet's token rate; seed {args.seed}")
+        print(
+            f"workload: {w.workers} rollout workers, 1 trainer; train batch {w.groups_per_mini_batch * w.mini_batches} "
+            f"prompts x {w.n} samples = {w.mini_batches} mini-batches of {w.groups_per_mini_batch} prompts; "
+            f"response lengths log-normal (median {w.median_len:.0f}, sigma {w.sigma}, cap {w.max_len}); "
+            f"trainer {w.trainer_speed}x the fleet's token rate; seed {args.seed}"
+        )
         print(f"{'':14}{'train_batch':>14}{'mini_batch':>14}")
         for k in ("mean_staleness", "max_staleness", "trainer_idle_frac", "admission_wait_mean"):
             print(f"{k:<22}{tb[k]:>10.3f}{mb[k]:>14.3f}")
         print("(admission wait in simulated decode steps)")
         print(f"staleness reduction   {100 * out['staleness_reduction']:.1f}% (mini_batch vs train_batch)")
         b = out["bytes_per_mini_batch"]
-        print(f"bytes per mini-batch  {b['dedup'] / 1e6:.1f} MB with media dedup, {b['no_dedup'] / 1e6:.1f} MB "
-              f"without ({b['ratio']}x)")
+        print(
+            f"bytes per mini-batch  {b['dedup'] / 1e6:.1f} MB with media dedup, {b['no_dedup'] / 1e6:.1f} MB "
+            f"without ({b['ratio']}x)"
+        )
     print(json.dumps(out))
     return 0

@@ -1,5 +1,6 @@
 """Settings of the KnitTrans trajectory pipeline (`pipeline`): colocated or disaggregated roles,
 admission, staleness and token budgets."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

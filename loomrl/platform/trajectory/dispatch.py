@@ -7,6 +7,7 @@ by another worker, so no prompt is lost with a worker:
 
     dispatched = completed + in flight + waiting to be re-sent
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -16,16 +17,16 @@ from typing import Any
 
 @dataclass
 class Job:
-    key: str        # the group key its trajectories will carry (unique per dispatch of a prompt)
-    prompt: Any     # what the worker needs to generate it (a PromptSample in the trainer)
+    key: str  # the group key its trajectories will carry (unique per dispatch of a prompt)
+    prompt: Any  # what the worker needs to generate it (a PromptSample in the trainer)
     attempts: int = 0
 
 
 @dataclass
 class Dispatcher:
-    in_flight: dict[int, dict[str, Job]] = field(default_factory=dict)   # worker -> key -> job
+    in_flight: dict[int, dict[str, Job]] = field(default_factory=dict)  # worker -> key -> job
     requeued: deque = field(default_factory=deque)
-    dead: dict[int, str] = field(default_factory=dict)                  # worker -> why
+    dead: dict[int, str] = field(default_factory=dict)  # worker -> why
     dispatched: int = 0
     completed: int = 0
     requeue_count: int = 0
@@ -71,5 +72,7 @@ class Dispatcher:
 
     def check(self) -> None:
         if self.dispatched != self.completed + self.outstanding:
-            raise AssertionError(f"dispatch accounting does not balance: dispatched {self.dispatched} != "
-                                 f"completed {self.completed} + in flight {self.outstanding}")
+            raise AssertionError(
+                f"dispatch accounting does not balance: dispatched {self.dispatched} != "
+                f"completed {self.completed} + in flight {self.outstanding}"
+            )

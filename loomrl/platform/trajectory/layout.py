@@ -9,6 +9,7 @@ micro-batches will be consumed.
 - Media: every distinct medium (content hash + preprocessing) is moved once per
   mini-batch; `media_transfer` counts bytes with and without that dedup.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,20 +37,26 @@ def plan(lengths: list[int], micro_batch_size: int, tokens_per_micro_batch: int 
     return out
 
 
-def layout(trajs: list[Trajectory], pad_id: int, micro_batch_size: int,
-           tokens_per_micro_batch: int = 0, device: torch.device = torch.device("cpu")) -> list[MicroBatch]:
+def layout(
+    trajs: list[Trajectory],
+    pad_id: int,
+    micro_batch_size: int,
+    tokens_per_micro_batch: int = 0,
+    device: torch.device = torch.device("cpu"),
+) -> list[MicroBatch]:
     """One mini-batch as its micro-batches on `device` (`batch.micro_batches` with the packing `plan`)."""
     lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
-    return micro_batches(trajs, pad_id, micro_batch_size, plan(lengths, micro_batch_size, tokens_per_micro_batch),
-                         device)
+    return micro_batches(
+        trajs, pad_id, micro_batch_size, plan(lengths, micro_batch_size, tokens_per_micro_batch), device
+    )
 
 
 @dataclass
 class MediaTransfer:
-    total: int = 0          # media placements (one per trajectory that uses a medium)
-    unique: int = 0         # distinct media
-    bytes_naive: int = 0    # every placement moved
-    bytes_dedup: int = 0    # each distinct medium moved once
+    total: int = 0  # media placements (one per trajectory that uses a medium)
+    unique: int = 0  # distinct media
+    bytes_naive: int = 0  # every placement moved
+    bytes_dedup: int = 0  # each distinct medium moved once
 
 
 def media_transfer(trajs: list[Trajectory]) -> MediaTransfer:

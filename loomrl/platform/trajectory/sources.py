@@ -21,10 +21,13 @@ the rollout metrics of the step's row.
 
 Exchanges between ranks carry JSON and raw tensors (`transport.pack`), never pickle.
 """
+
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
@@ -87,10 +90,10 @@ def all_gather_json(obj, group=None) -> list:
     dist.all_gather(sizes, n, group=group)
     longest = int(max(sizes))
     buf = torch.zeros(longest, dtype=torch.uint8)
-    buf[:data.numel()] = data
+    buf[: data.numel()] = data
     bufs = [torch.zeros_like(buf) for _ in range(size)]
     dist.all_gather(bufs, buf, group=group)
-    return [json.loads(bytes(b[:int(k)].tolist()).decode()) for b, k in zip(bufs, sizes)]
+    return [json.loads(bytes(b[: int(k)].tolist()).decode()) for b, k in zip(bufs, sizes)]
 
 
 def broadcast_message(buf: Optional[torch.Tensor], src: int = 0, group=None) -> torch.Tensor:
@@ -117,9 +120,19 @@ def pack_batches(batches: list[list[Trajectory]], meta: Optional[dict] = None) -
                 tensors.setdefault(name + "/features", m.features)
                 if m.grid is not None:
                     tensors.setdefault(name + "/grid", m.grid)
-            row.append({"prompt_id": t.prompt_id, "group": t.group, "prompt_ids": t.prompt_ids,
-                        "completion_ids": t.completion_ids, "logp": t.rollout_logprobs, "reward": t.reward,
-                        "version": t.version, "parts": t.reward_parts, "media": refs})
+            row.append(
+                {
+                    "prompt_id": t.prompt_id,
+                    "group": t.group,
+                    "prompt_ids": t.prompt_ids,
+                    "completion_ids": t.completion_ids,
+                    "logp": t.rollout_logprobs,
+                    "reward": t.reward,
+                    "version": t.version,
+                    "parts": t.reward_parts,
+                    "media": refs,
+                }
+            )
         rows.append(row)
     return pack(dict(meta or {}, batches=rows), tensors)
 
@@ -134,9 +147,23 @@ def unpack_batches(buf: torch.Tensor) -> tuple[list[list[Trajectory]], dict]:
             media[name] = Medium(kind, h, tensors[name + "/features"], tensors.get(name + "/grid"), prep)
         return media[name]
 
-    batches = [[Trajectory(r["prompt_id"], r["group"], r["prompt_ids"], r["completion_ids"],
-                           [medium(*x) for x in r["media"]], r["logp"], r["reward"], r["version"],
-                           reward_parts=r["parts"]) for r in row] for row in meta.pop("batches")]
+    batches = [
+        [
+            Trajectory(
+                r["prompt_id"],
+                r["group"],
+                r["prompt_ids"],
+                r["completion_ids"],
+                [medium(*x) for x in r["media"]],
+                r["logp"],
+                r["reward"],
+                r["version"],
+                reward_parts=r["parts"],
+            )
+            for r in row
+        ]
+        for row in meta.pop("batches")
+    ]
     return batches, meta
 
 
@@ -216,6 +243,20 @@ class LeaderSource:
 # --------------------------------------------------------------------------- colocated
 
 
+@dataclass
+class RolloutRow:
+    """One scored rollout as the ranks exchange it (JSON): the prompt's index in the step, the
+    sample's index in its group, the completion, its rollout log-probs and rewards."""
+
+    prompt: int
+    sample: int
+    completion_ids: list
+    logprobs: list
+    reward: float
+    finish_reason: str
+    reward_parts: dict
+
+
 class ColocatedSource:
     """In-process rollouts. Every rank reads the same `training.prompts_per_step` prompts,
     generates its share (prompts rank, rank + world, ...: whole groups), scores them, and
@@ -241,19 +282,64 @@ class ColocatedSource:
         from loomrl.platform import faults
         from loomrl.platform.engines.base import check_rank_agreement
         from loomrl.platform.parts import to_prompts
-        from loomrl.platform.rewards.sources import score
         from loomrl.platform.trajectory.admission import admit_step
 
-        ro = self.recipe.rollout
         samples = self.prompts.next(self.recipe.training.prompts_per_step)
         faults.maybe_die("rollout")
         prompts = to_prompts(samples)
         mine = list(range(self.rank, len(prompts), self.world))
         local = [prompts[i] for i in mine]
         self.generated_here = [p.id for p in local]  # this rank's share of the step's prompts
-        # every compare_every steps the same prompts and weights also go through without drafting,
-        # timed; the order alternates, as the second call of a step finds the media encodings cached
-        every = ro.drafter.compare_every
+        result, compare = self._generate(step, local)
+        for r in result.rollouts:  # NgramRL: finished rollouts feed their prompt's draft history
+            self.rollout.observe(local[r.prompt_index].id, r.completion_ids)
+        draft_stats = copy.copy(self.rollout.last_stats)
+        spec_metrics = dict(self.rollout.spec_metrics)
+        rows = self._scored_rows(result, samples, mine)
+        gathered = all_gather_json(
+            {
+                "rows": [dataclasses.asdict(row) for row in rows],
+                "tokens": result.tokens,
+                "seconds": result.seconds,
+                "seq_forwards": result.seq_forwards,
+            }
+        )
+        every_row = sorted(
+            (RolloutRow(**row) for g in gathered for row in g["rows"]), key=lambda r: (r.prompt, r.sample)
+        )
+        trajs = [
+            Trajectory(
+                samples[row.prompt].id,
+                row.prompt,
+                samples[row.prompt].ids,
+                row.completion_ids,
+                samples[row.prompt].media,
+                row.logprobs,
+                row.reward,
+                self.rollout.version,
+                reward_parts=row.reward_parts,
+            )
+            for row in every_row
+        ]
+        ranks_agree = check_rank_agreement(step, trajs)  # the exchange gave every rank the same step
+        self.metrics = self._rollout_metrics(samples, trajs, every_row, gathered, ranks_agree)
+        if self.rollout.drafter is not None:
+            self.metrics.update(self._drafting_metrics(draft_stats))
+            if compare:
+                self.metrics.update(compare)
+        self.metrics.update(spec_metrics)  # vLLM's own speculative-decoding counters
+        self.last_prompts = prompts
+        admitted = admit_step(self.store, self.recipe, trajs, step)
+        batches = [[t for g in groups for t in g.trajectories] for groups in admitted]
+        for groups in admitted:
+            self.store.mark_trained(groups)
+        return batches
+
+    def _generate(self, step: int, local: list):
+        """This rank's rollouts of its prompts; every `rollout.drafter.compare_every` steps the same
+        prompts and weights also go through without drafting, timed (the order alternates, as the
+        second call of a step finds the media encodings cached). Returns (result, comparison or None)."""
+        every = self.recipe.rollout.drafter.compare_every
         compare_now = bool(every) and step % every == 0 and self.rollout.drafter is not None
         plain_first = compare_now and (step // every) % 2 == 0
 
@@ -264,62 +350,64 @@ class ColocatedSource:
         result = self.rollout.generate(local, self.params, self.generator)
         if compare_now and not plain_first:
             plain = plain_run()
-        compare = None
-        if plain is not None:
-            compare = {"plain_tokens_per_s": plain.tokens / plain.seconds,
-                       "drafting_speedup": (result.tokens / result.seconds) / (plain.tokens / plain.seconds),
-                       "plain_forwards": plain.forwards, "drafted_forwards": result.forwards}
-        for r in result.rollouts:  # NgramRL: finished rollouts feed their prompt's draft history
-            self.rollout.observe(local[r.prompt_index].id, r.completion_ids)
-        draft_stats = copy.copy(self.rollout.last_stats)
-        spec_metrics = dict(self.rollout.spec_metrics)
+        if plain is None:
+            return result, None
+        return result, {
+            "plain_tokens_per_s": plain.tokens / plain.seconds,
+            "drafting_speedup": (result.tokens / result.seconds) / (plain.tokens / plain.seconds),
+            "plain_forwards": plain.forwards,
+            "drafted_forwards": result.forwards,
+        }
+
+    def _scored_rows(self, result, samples: list, mine: list[int]) -> list["RolloutRow"]:
+        """This rank's rollouts, scored by the reward sources, as rows to exchange."""
+        from loomrl.platform.rewards.sources import score
+
         texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in result.rollouts]
         records = [samples[mine[r.prompt_index]].record for r in result.rollouts]
         totals, by_source = score(self.reward_fn, texts, records)
-        rows = [[mine[r.prompt_index], r.sample_index, r.completion_ids, r.logprobs, float(reward),
-                 r.finish_reason, {name: float(v[i]) for name, v in by_source.items()}]
-                for i, (r, reward) in enumerate(zip(result.rollouts, totals))]
-        gathered = all_gather_json({"rows": rows, "tokens": result.tokens, "seconds": result.seconds,
-                                    "seq_forwards": result.seq_forwards})
-        every_row = sorted((row for g in gathered for row in g["rows"]), key=lambda row: (row[0], row[1]))
-        trajs = [Trajectory(samples[pi].id, pi, samples[pi].ids, ids, samples[pi].media, logp, reward,
-                            self.rollout.version, reward_parts=parts)
-                 for pi, _, ids, logp, reward, _, parts in every_row]
-        ranks_agree = check_rank_agreement(step, trajs)  # the exchange gave every rank the same step
+        return [
+            RolloutRow(
+                mine[r.prompt_index],
+                r.sample_index,
+                r.completion_ids,
+                r.logprobs,
+                float(reward),
+                r.finish_reason,
+                {name: float(v[i]) for name, v in by_source.items()},
+            )
+            for i, (r, reward) in enumerate(zip(result.rollouts, totals))
+        ]
+
+    def _rollout_metrics(self, samples, trajs, rows, gathered, ranks_agree: bool) -> dict:
+        """The step's rollout metrics over every rank's rollouts."""
+        n = self.recipe.rollout.n
         tokens = sum(g["tokens"] for g in gathered)
         seconds = max(g["seconds"] for g in gathered)  # the ranks generate side by side
-        self.metrics = {
+        metrics = {
             "trajectories": len(trajs),
             "response_len": tokens / len(trajs),
-            "stop_rate": sum(row[5] == "stop" for row in every_row) / len(trajs),
+            "stop_rate": sum(row.finish_reason == "stop" for row in rows) / len(trajs),
             "tokens_per_s": tokens / max(seconds, 1e-9),
             "tokens_per_forward": tokens / max(1, sum(g["seq_forwards"] for g in gathered)),
             "rollout_s": seconds,
             "rollout_rank_sum_s": sum(g["seconds"] for g in gathered),
             "rollout_ranks": self.world,
-            "media_total": sum(len(s.media) for s in samples) * ro.n,
+            "media_total": sum(len(s.media) for s in samples) * n,
             "media_unique": len({m.hash for s in samples for m in s.media}),
         }
         if ranks_agree:
-            self.metrics["rank_agreement"] = 1  # the ranks' trajectory digests were compared and equal
-        if self.rollout.drafter is not None:
-            ds = draft_stats
-            self.metrics.update({
-                "draft_acceptance": sum(ds.accepted_by_pos) / max(1, sum(ds.drafted_by_pos)),
-                "draft_acceptance_by_pos": [round(a, 4) for a in ds.acceptance_by_position()],
-                "drafter_lookup_us": 1e6 * ds.lookup_s / max(1, ds.lookups),
-                "prefetch_coverage": ds.coverage,
-                "drafter_history_tokens": self.rollout.drafter.history_tokens(),
-            })
-            if compare:
-                self.metrics.update(compare)
-        self.metrics.update(spec_metrics)  # vLLM's own speculative-decoding counters
-        self.last_prompts = prompts
-        admitted = admit_step(self.store, self.recipe, trajs, step)
-        batches = [[t for g in groups for t in g.trajectories] for groups in admitted]
-        for groups in admitted:
-            self.store.mark_trained(groups)
-        return batches
+            metrics["rank_agreement"] = 1  # the ranks' trajectory digests were compared and equal
+        return metrics
+
+    def _drafting_metrics(self, ds) -> dict:
+        return {
+            "draft_acceptance": sum(ds.accepted_by_pos) / max(1, sum(ds.drafted_by_pos)),
+            "draft_acceptance_by_pos": [round(a, 4) for a in ds.acceptance_by_position()],
+            "drafter_lookup_us": 1e6 * ds.lookup_s / max(1, ds.lookups),
+            "prefetch_coverage": ds.coverage,
+            "drafter_history_tokens": self.rollout.drafter.history_tokens(),
+        }
 
     def weights_updated(self, version: int) -> None:
         pass  # the engine is synced once per step, before it generates again (end_step)

@@ -15,6 +15,7 @@ where pending = trajectories still in the store (partial groups, ready groups,
 groups admitted but not yet trained). Nothing leaves the store except by
 `mark_trained` or `drop`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,8 +30,8 @@ class Group:
 
     key: str
     trajectories: list[Trajectory] = field(default_factory=list)
-    ready_at: float = 0.0       # clock time its last member arrived
-    admitted_at: float = 0.0    # clock time admission took it
+    ready_at: float = 0.0  # clock time its last member arrived
+    admitted_at: float = 0.0  # clock time admission took it
 
     @property
     def version(self) -> int:
@@ -46,15 +47,15 @@ class TrajectoryStore:
     def __init__(self, group_size: int):
         self.group_size = group_size
         self.partial: dict[str, Group] = {}
-        self.ready: list[Group] = []            # complete groups in the order they completed
-        self.admitted: dict[str, Group] = {}    # taken by admission, not yet trained
+        self.ready: list[Group] = []  # complete groups in the order they completed
+        self.admitted: dict[str, Group] = {}  # taken by admission, not yet trained
         self.media: dict[tuple[str, str], Medium] = {}
         self._media_refs: dict[tuple[str, str], int] = {}
         self.generated = 0
         self.trained = 0
         self.dropped: dict[str, int] = {}
-        self.media_bytes_stored = 0     # bytes of media kept, one copy per content key
-        self.media_bytes_naive = 0      # bytes had every trajectory kept its own copy
+        self.media_bytes_stored = 0  # bytes of media kept, one copy per content key
+        self.media_bytes_naive = 0  # bytes had every trajectory kept its own copy
 
     # ------------------------------------------------------------------ in
 
@@ -127,9 +128,13 @@ class TrajectoryStore:
         return sum(len(g.trajectories) for g in groups)
 
     def accounting(self) -> dict:
-        return {"generated": self.generated, "trained": self.trained,
-                "dropped": sum(self.dropped.values()), "pending": self.pending,
-                "dropped_by_reason": dict(self.dropped)}
+        return {
+            "generated": self.generated,
+            "trained": self.trained,
+            "dropped": sum(self.dropped.values()),
+            "pending": self.pending,
+            "dropped_by_reason": dict(self.dropped),
+        }
 
     def check(self) -> None:
         """Raise if a trajectory went missing (or was counted twice)."""

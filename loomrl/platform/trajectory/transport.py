@@ -15,6 +15,7 @@ worker failure (reported, its prompts re-queued).
 Media cross once per content key: `MediaLedger` remembers which media a peer
 already holds, and `pack_media` sends the features of only the new ones.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,19 @@ import torch.distributed as dist
 
 from loomrl.encoders.media import Medium
 
-DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                                                      torch.int64, torch.int32, torch.uint8, torch.bool)}
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 MAX_MESSAGE_BYTES = 1 << 28
 """Largest message (bytes) a `Channel` accepts by default: 256 MiB, far above a result
@@ -55,22 +67,29 @@ def unpack(buf: torch.Tensor) -> tuple[dict, dict[str, torch.Tensor]]:
     n = int(buf[:8].clone().view(torch.int64)[0])
     if not 0 <= n <= buf.numel() - 8:
         raise ValueError(f"transport: bad header length {n} in a message of {buf.numel()} bytes")
-    header = json.loads(bytes(buf[8:8 + n].tolist()).decode())
-    body = buf[8 + n:]
+    header = json.loads(bytes(buf[8 : 8 + n].tolist()).decode())
+    body = buf[8 + n :]
     tensors = {}
     for name, dtype, shape, offset, nbytes in header["tensors"]:
         if dtype not in DTYPES:
             raise ValueError(f"transport: tensor {name!r} has a dtype that is not allowed: {dtype}")
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ValueError(f"transport: tensor {name!r} has a bad shape: {shape!r}")
-        if not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0 or nbytes < 0 \
-                or offset + nbytes > body.numel():
+        if (
+            not isinstance(offset, int)
+            or not isinstance(nbytes, int)
+            or offset < 0
+            or nbytes < 0
+            or offset + nbytes > body.numel()
+        ):
             raise ValueError(f"transport: tensor {name!r} lies outside the message")
         want = math.prod(shape) * DTYPES[dtype].itemsize
         if want != nbytes:
-            raise ValueError(f"transport: tensor {name!r} of shape {shape} and dtype {dtype} needs {want} bytes, "
-                             f"the message gives {nbytes}")
-        raw = body[offset:offset + nbytes].clone()
+            raise ValueError(
+                f"transport: tensor {name!r} of shape {shape} and dtype {dtype} needs {want} bytes, "
+                f"the message gives {nbytes}"
+            )
+        raw = body[offset : offset + nbytes].clone()
         tensors[name] = raw.view(DTYPES[dtype]).view(shape) if nbytes else torch.empty(shape, dtype=DTYPES[dtype])
     return header["meta"], tensors
 
@@ -115,8 +134,9 @@ class Channel:
         self._recv(size, src)
         n = int(size[0])
         if not 0 <= n <= self.max_message_bytes:  # before allocating what the peer declares
-            raise ValueError(f"transport: rank {src} declared a message of {n} bytes "
-                             f"(accepted: 0..{self.max_message_bytes})")
+            raise ValueError(
+                f"transport: rank {src} declared a message of {n} bytes (accepted: 0..{self.max_message_bytes})"
+            )
         buf = torch.empty(n, dtype=torch.uint8)
         self._recv(buf, src)
         self.bytes_received += buf.numel() + 8
@@ -126,6 +146,7 @@ class Channel:
         """Receive src's messages in a thread into `inbox` as (src, message), or (src, the
         exception) once its connection fails. (gloo's irecv reports completion only from
         wait(), so a posted receive cannot be polled.)"""
+
         def loop():
             while True:
                 try:
@@ -170,8 +191,9 @@ def unpack_media(refs: list[dict], tensors: dict[str, torch.Tensor], known: dict
         key = (r["hash"], r["prep"])
         name = f"{r['hash']}:{r['prep']}"
         if name + "/features" in tensors:
-            known[key] = Medium(r["kind"], r["hash"], tensors[name + "/features"], tensors.get(name + "/grid"),
-                                r["prep"])
+            known[key] = Medium(
+                r["kind"], r["hash"], tensors[name + "/features"], tensors.get(name + "/grid"), r["prep"]
+            )
         if key not in known:
             raise ValueError(f"transport: medium {name} was referenced but never sent")
         out.append(known[key])
