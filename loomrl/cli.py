@@ -201,7 +201,7 @@ def recipe_diff(a: str, b: str) -> list[str]:
 
 
 def cmd_report(args) -> int:
-    from loomrl.platform.report import write_comparison, write_report
+    from loomrl.commands.report import write_comparison, write_report
 
     if (len(args.run_dir) > 1) != bool(args.out):
         print(
@@ -222,8 +222,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """A checkpoint (or a run folder's newest) as a Hugging Face folder (loomrl.platform.export)."""
-    from loomrl.platform.export import export_checkpoint
+    """A checkpoint (or a run folder's newest) as a Hugging Face folder (loomrl.commands.export)."""
+    from loomrl.commands.export import export_checkpoint
 
     try:
         export_checkpoint(Path(args.checkpoint), Path(args.out), args.dtype, args.modality, args.overwrite)
@@ -259,9 +259,9 @@ def cmd_recipe(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    """Per-rank GPU memory of a recipe by kind (loomrl.platform.plan): 0 fits, 3 does not fit, 2 an error."""
+    """Per-rank GPU memory of a recipe by kind (loomrl.commands.plan): 0 fits, 3 does not fit, 2 an error."""
+    from loomrl.commands.plan import PlanError, plan_recipe, report
     from loomrl.platform import recipe as R
-    from loomrl.platform.plan import PlanError, plan_recipe, report
 
     try:
         plan = plan_recipe(args.recipe, args.overrides, args.gpu_memory, args.seq_len, args.fused_attention)
@@ -294,8 +294,8 @@ def positive_int(text: str) -> int:
 # Command groups with their own parsers, in the module that owns the idea.
 GROUPS = {
     "shards": ("loomrl.datasets.cli", "prepare, verify and inspect webdataset shards"),
-    "bench": ("loomrl.bench", "benchmarks: drafter, encoders (ratios measured side by side)"),
-    "doctor": ("loomrl.platform.doctor", "measure the rollout/trainer log-prob mismatch per rounding setting"),
+    "bench": ("loomrl.commands.bench", "benchmarks: drafter, encoders (ratios measured side by side)"),
+    "doctor": ("loomrl.commands.doctor", "measure the rollout/trainer log-prob mismatch per rounding setting"),
 }
 
 

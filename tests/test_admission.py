@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
+from loomrl.commands.bench_staleness import Workload, simulate
+from loomrl.commands.bench_staleness import main as bench_main
 from loomrl.platform.trajectory.admission import Quota, admit, staleness
 from loomrl.platform.trajectory.batch import Trajectory
-from loomrl.platform.trajectory.bench_staleness import Workload, simulate
-from loomrl.platform.trajectory.bench_staleness import main as bench_main
 from loomrl.platform.trajectory.store import TrajectoryStore
 
 torch.set_num_threads(1)

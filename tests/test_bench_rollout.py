@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from loomrl.cli import main
+from loomrl.commands import bench_rollout as B
 from loomrl.platform.recipe import DrafterConfig
-from loomrl.platform.rollout import bench_rollout as B
 from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces" / "traces_C.jsonl.gz"
@@ -123,7 +123,7 @@ def test_vllm_workload_measures_two_vllm_engines_side_by_side():
     code = f"""
 import json
 from pathlib import Path
-from loomrl.platform.rollout import bench_rollout as B
+from loomrl.commands import bench_rollout as B
 w = B.greedy_workload(Path({str(TRACES)!r}), prompts=2, tokens=8, rounds=2, shape={TINY!r})
 print("ROW " + json.dumps(B.measure(w)))
 """

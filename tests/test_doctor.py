@@ -9,7 +9,7 @@ import torch
 from rounding_reference import aligned_logits
 
 from loomrl.cli import main
-from loomrl.platform import doctor
+from loomrl.commands import doctor
 from loomrl.platform.rollout.base import Rollout
 from loomrl.platform.trajectory.batch import micro_batches
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from loomrl.cli import main
-from loomrl.platform import doctor
+from loomrl.commands import doctor
+from loomrl.commands.doctor_trace import REGIONS, Recorder, compare, first_divergence, trace_table
 from loomrl.platform.backbone.rounding import Regions
-from loomrl.platform.doctor_trace import REGIONS, Recorder, compare, first_divergence, trace_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

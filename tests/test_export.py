@@ -22,10 +22,10 @@ from qwen_checkpoints import _qwen2_vl
 from test_qwen_vl_checkpoint import OVERRIDES, PADDED
 
 from loomrl.cli import main
+from loomrl.commands.export import export_checkpoint, run_recipe
 from loomrl.encoders.media import load_medium
 from loomrl.platform import recipe as R
 from loomrl.platform.checkpoint import load_checkpoint, save_checkpoint
-from loomrl.platform.export import export_checkpoint, run_recipe
 from loomrl.platform.parts import build_policy_parts
 
 TEMPLATE = (
@@ -301,7 +301,7 @@ def test_the_reward_code_need_not_be_importable(demo_run, tmp_path):
 
 
 def test_a_failed_export_leaves_nothing(demo_run, tmp_path, monkeypatch):
-    from loomrl.platform import export
+    from loomrl.commands import export
 
     def broken(*args):
         raise OSError("disk full")

@@ -58,7 +58,9 @@ def test_weights_scale_the_surrogate_not_the_kl():
     logp = torch.tensor([[math.log(0.5), math.log(0.5)]])
     ref = torch.tensor([[math.log(0.25), math.log(0.25)]])
     w = torch.tensor([[2.0, 0.0]])
-    loss, _ = policy_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 2), 0.2, 2.0, ref, 0.1, weights=w)
+    loss, _ = policy_loss(
+        logp, logp, torch.tensor([1.0]), torch.ones(1, 2), 0.2, 2.0, ref_logp=ref, kl_coef=0.1, weights=w
+    )
     k3 = 0.5 - math.log(0.5) - 1
     assert loss.item() == pytest.approx((-2.0 - 0.0 + 2 * 0.1 * k3) / 2)
 

@@ -120,3 +120,21 @@ def test_config_core_imports_nothing_else_from_loomrl():
     graph = import_graph()
     for mod in (m for m in graph if m.startswith("loomrl.config")):
         assert all(t.startswith("loomrl.config") for t in graph[mod]), (mod, graph[mod])
+
+
+def test_the_core_never_imports_the_commands():
+    """doctor, plan, export, report and every bench (loomrl/commands/) use the library; the
+    library (everything else but the command line) does not use them."""
+    graph = import_graph()
+    front = {"loomrl.cli"}
+    for mod, targets in graph.items():
+        if mod.startswith("loomrl.commands") or mod in front:
+            continue
+        assert not any(t.startswith("loomrl.commands") for t in targets), (mod, sorted(targets))
+
+
+def test_the_library_never_imports_test_code():
+    """loomrl/testing/ (the tests' reference paths) is imported by tests only."""
+    for mod, targets in import_graph().items():
+        if not mod.startswith("loomrl.testing"):
+            assert not any(t.startswith("loomrl.testing") for t in targets), (mod, sorted(targets))

@@ -12,9 +12,9 @@ import torch
 import transformers
 
 from loomrl.cli import main
+from loomrl.commands.plan import make_plan
 from loomrl.platform import recipe as R
 from loomrl.platform.backbone.hf_io import decoder_config
-from loomrl.platform.plan import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO3 = str(ROOT / "recipes/qwen2.5-vl-3b-grpo-zero3.yaml")

@@ -206,7 +206,7 @@ def test_trace_replay_counts_tokens_per_forward_as_worked_by_hand():
     """bench_drafter.replay on a fixture: a drafter that always gets 2 of its 3 tokens right.
     Row `a` (7 tokens): forward 1 gives token 1; then [c1, c2, X] accepts 2 + the bonus (3 tokens),
     twice: 3 forwards, 7 tokens. Row `b` (round 0, a warm-up) is replayed but not counted."""
-    from loomrl.platform.rollout.bench_drafter import replay
+    from loomrl.commands.bench_drafter import replay
 
     rows = [{"round": 0, "completion_ids": [9, 9, 9, 9]}, {"round": 1, "completion_ids": [1, 2, 3, 4, 5, 6, 7]}]
 
@@ -235,7 +235,7 @@ def test_trace_replay_counts_tokens_per_forward_as_worked_by_hand():
 def test_tree_replay_counts_tokens_per_forward_as_worked_by_hand():
     """A tree whose first-choice branch is wrong and whose second holds the next 3 tokens: each
     forward accepts 3 + the bonus. 9 tokens: the prefill's token, then 4 + 4: 3 forwards."""
-    from loomrl.platform.rollout.bench_drafter import replay
+    from loomrl.commands.bench_drafter import replay
 
     rows = [{"round": 1, "completion_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9]}]
 
@@ -263,7 +263,7 @@ def test_tree_replay_counts_tokens_per_forward_as_worked_by_hand():
 def test_bonus_token_seen_after_the_last_accepted_token_is_looked_up_in_every_history():
     """bench drafter's ceiling of history-based prefetch: was (last accepted, bonus) ever seen, in the
     prompt's history, the cross-prompt history or the request so far (its accepted tokens included)?"""
-    from loomrl.platform.rollout.bench_drafter import _bigram_seen
+    from loomrl.commands.bench_drafter import _bigram_seen
 
     d = NgramDrafter(DrafterConfig(global_history=4))
     d.observe("p", [1, 2, 3])  # prompt p's history: (2, 3); the cross-prompt history too

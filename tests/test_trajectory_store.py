@@ -4,9 +4,9 @@ the role-to-role message format."""
 import pytest
 import torch
 
+from loomrl.commands.bench_staleness import Workload, simulate
 from loomrl.encoders.media import Medium
 from loomrl.platform.trajectory.batch import Trajectory
-from loomrl.platform.trajectory.bench_staleness import Workload, simulate
 from loomrl.platform.trajectory.dispatch import Dispatcher, Job
 from loomrl.platform.trajectory.store import TrajectoryStore
 from loomrl.platform.trajectory.transport import DTYPES, MediaLedger, pack, unpack, unpack_media

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from loomrl.platform.disaggregated import pack_tampered
+from loomrl.platform.faults import tamper as pack_tampered
 from loomrl.platform.trajectory.transport import Channel, pack, unpack
 
 

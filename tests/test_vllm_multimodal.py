@@ -19,7 +19,7 @@ from qwen_checkpoints import SPECIAL, TEXT, VOCAB, _qwen2_vl, _tokenizer  # noqa
 
 from loomrl.platform.rollout import vllm_shims  # noqa: E402
 from loomrl.platform.rollout.base import SamplingParams  # noqa: E402
-from loomrl.platform.rollout.vllm_engine import generate_native, media_token_ids, shutdown_native, start_native  # noqa: E402
+from loomrl.testing.vllm_native import generate_native, media_token_ids, shutdown_native, start_native  # noqa: E402
 
 PARAMS = SamplingParams(n=2, temperature=0.9, max_new_tokens=6)
 

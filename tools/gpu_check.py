@@ -47,8 +47,8 @@ def env() -> dict:
 
 def policy_and_trajectories(out: Path):
     """The demo policy (FP32, on the CPU) and 8 prompts x 4 rollouts of it, sampled on the CPU."""
+    from loomrl.commands.doctor import torch_engine, trajectories
     from loomrl.platform import recipe as R
-    from loomrl.platform.doctor import torch_engine, trajectories
     from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files, to_prompts
     from loomrl.platform.rollout.base import SamplingParams
 
@@ -62,7 +62,7 @@ def policy_and_trajectories(out: Path):
 
 
 def logprobs(model, trajs) -> dict:
-    from loomrl.platform.doctor import trainer_logprobs
+    from loomrl.commands.doctor import trainer_logprobs
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -54,7 +54,15 @@ def verify_shard(
                 members = [m["member"] for m in read_header(fh, ref).get("media", [])]
                 yield (
                     ref.key,
-                    _decode_fault(ref.shard, ref.key, members, sample, sample_rate, max_pixels, max_audio_seconds),
+                    _decode_fault(
+                        ref.shard,
+                        ref.key,
+                        members,
+                        sample,
+                        sample_rate=sample_rate,
+                        max_pixels=max_pixels,
+                        max_audio_seconds=max_audio_seconds,
+                    ),
                 )
     except ShardError as e:
         yield e.key or "", _fault(e)
@@ -63,7 +71,14 @@ def verify_shard(
 
 
 def _decode_fault(
-    shard: str, key: str, members: list[str], sample: dict, sample_rate: int, max_pixels: int, max_audio_seconds: float
+    shard: str,
+    key: str,
+    members: list[str],
+    sample: dict,
+    *,
+    sample_rate: int,
+    max_pixels: int,
+    max_audio_seconds: float,
 ) -> Fault | None:
     for member, (kind, _, data) in zip(members, sample["media"]):
         try:

@@ -62,6 +62,7 @@ def save_checkpoint(
     model: torch.nn.Module,
     engine_state: dict,
     state: dict,
+    *,
     keep_last: int,
     extra_models: dict | None = None,
 ) -> Path:

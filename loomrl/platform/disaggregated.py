@@ -100,10 +100,6 @@ def rollout_role(recipe: R.Recipe, rank: int, ch: Channel, trainer: int = 0) -> 
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     ch.max_message_bytes = MAX_MESSAGE_BYTES + weight_bytes  # the trainer's weights come as one message
     known: dict = {}  # media this worker was sent, by key
-    kill_here = os.environ.get("LOOMRL_KILL_RANK", str(rank)) == str(rank)
-    # fault injection for the tests: this rank's first result carries a tensor whose shape
-    # does not match its bytes
-    corrupt = os.environ.get("LOOMRL_BAD_MESSAGE_RANK") == str(rank)
     while True:
         meta, tensors = unpack(ch.recv(trainer))
         kind = meta["kind"]
@@ -123,8 +119,7 @@ def rollout_role(recipe: R.Recipe, rank: int, ch: Channel, trainer: int = 0) -> 
             generator.set_state(tensors["generator"])
             continue
         faults.current_step = meta["step"]
-        if kill_here:
-            faults.maybe_die("rollout")  # dies with this work in flight
+        faults.maybe_die("rollout", rank)  # dies with this work in flight (fault injection: faults.py)
         jobs = meta["jobs"]
         prompts = [Prompt(j["id"], j["ids"], unpack_media(j["media"], tensors, known)) for j in jobs]
         result = engine.generate(prompts, params, generator)
@@ -143,22 +138,11 @@ def rollout_role(recipe: R.Recipe, rank: int, ch: Channel, trainer: int = 0) -> 
                         {"ids": r.completion_ids, "logp": r.logprobs, "finish": r.finish_reason} for r in rows
                     ],
                 },
-                {"bad": torch.zeros(3)} if corrupt else None,
             )
-            if corrupt:  # same header length: shape [3] -> [4]
-                corrupt = False
-                buf = pack_tampered(buf, b'"bad", "float32", [3]', b'"bad", "float32", [4]')
-            ch.send(buf, trainer)
+            ch.send(faults.maybe_corrupt(buf, rank), trainer)  # fault injection (faults.py)
         ch.flush()
     ch.flush()
     engine.shutdown()
-
-
-def pack_tampered(buf: torch.Tensor, old: bytes, new: bytes) -> torch.Tensor:
-    """A packed message with `old` replaced by `new` (same length) in its bytes (fault injection)."""
-    raw = bytes(buf.tolist()).replace(old, new, 1)
-    assert len(new) == len(old) and raw != bytes(buf.tolist()), "pack_tampered: nothing replaced"
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def _bad_result(meta: dict) -> str:

@@ -127,5 +127,5 @@ class SupervisedSteps:
         if not self.writer:
             return self.out / "checkpoints" / "step-000000"
         return save_checkpoint(
-            self.out / "checkpoints", 0, self.model, engine_state, state, self.recipe.checkpoint.keep_last
+            self.out / "checkpoints", 0, self.model, engine_state, state, keep_last=self.recipe.checkpoint.keep_last
         )

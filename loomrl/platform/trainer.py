@@ -126,7 +126,6 @@ class Trainer(SupervisedSteps, Validation):
     # ------------------------------------------------------------------ set-up
 
     def setup(self) -> None:
-        from loomrl.platform.backbone.vlm import build_policy
         from loomrl.platform.engines import build_engine
         from loomrl.platform.parts import build_policy_parts, prompt_source
         from loomrl.platform.rewards.sources import build_sources
@@ -143,35 +142,7 @@ class Trainer(SupervisedSteps, Validation):
         self.prompts.require_answer = self.sft
         self.reward_fn = build_sources(r.algorithm, next(model.parameters()).device)
         self.val_samples = self.validation_split()
-        n_params = sum(p.numel() for p in model.parameters())
-        stages = (
-            f"{r.training.steps} SFT steps"
-            if self.sft
-            else f"{r.training.warmup.steps} warm-up + {r.training.steps} RL steps"
-        )
-        log.info(
-            "[run] %s: %d shard(s), model %.2fM params on %s, %s, %s, %s -> %s",
-            r.name,
-            len(files),
-            n_params / 1e6,
-            model.device,
-            stages,
-            self.chat.describe(),
-            r.pipeline.mode,
-            out,
-        )
-        log.info(
-            "[run] %s%s",
-            model.describe_parts(),
-            ", activation checkpointing" if r.training.activation_checkpointing else "",
-        )
-        if self.val_samples:
-            log.info(
-                "[run] validation: %d held-out prompt(s) from %s, every %d steps and at the end",
-                len(self.val_samples),
-                r.validation.shards,
-                r.validation.every,
-            )
+        self.describe(files)
         self.progress = r.logging.progress and sys.stderr.isatty()
 
         ckpt_state = engine_state = None
@@ -193,21 +164,7 @@ class Trainer(SupervisedSteps, Validation):
         if r.algorithm.kl_coef > 0 and not self.sft:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if self.algorithm.trait("advantages") == "critic":  # PPO: a value model
-            ppo = r.algorithm.ppo
-            if ppo.critic == "value_head":  # trained with the policy, by the policy's optimizer
-                self.value_head = ValueHead(model.language_model.cfg.hidden_size).to(model.device)
-                self.extra_models["value_head"] = self.value_head
-            else:
-                from loomrl.platform.engines.torch_engine import TorchTrainEngine
-
-                # the critic's weights are the policy's right after: no need to read init_from again
-                fresh = dataclasses.replace(r.model, init_from=None)
-                self.critic = build_critic(
-                    model, lambda: build_policy(fresh, self.tokenizer, r.training.seed).to(model.device)
-                )
-                self.critic.body.set_activation_checkpointing(r.training.activation_checkpointing)
-                self.critic_engine = TorchTrainEngine(self.critic, r.training, lr=ppo.critic_lr)
-                self.extra_models["critic"] = self.critic
+            self.build_value_model()
         params = [p for p in model.parameters() if p.requires_grad]
         params += list(self.value_head.parameters()) if self.value_head is not None else []
         self.engine = build_engine(r, model, params)
@@ -220,6 +177,57 @@ class Trainer(SupervisedSteps, Validation):
         if ckpt_state is not None and warmup_from is None:
             self.load_state_dict(ckpt_state, engine_state)
         self.log = MetricsLog(out, "metrics.jsonl", r.logging.tensorboard) if self.writer else NoLog()
+
+    def describe(self, files: list) -> None:
+        """The run's opening lines: data, model, stages, chat format, mode, folder; parts; validation."""
+        r, model = self.recipe, self.model
+        n_params = sum(p.numel() for p in model.parameters())
+        stages = (
+            f"{r.training.steps} SFT steps"
+            if self.sft
+            else f"{r.training.warmup.steps} warm-up + {r.training.steps} RL steps"
+        )
+        log.info(
+            "[run] %s: %d shard(s), model %.2fM params on %s, %s, %s, %s -> %s",
+            r.name,
+            len(files),
+            n_params / 1e6,
+            model.device,
+            stages,
+            self.chat.describe(),
+            r.pipeline.mode,
+            self.out,
+        )
+        log.info(
+            "[run] %s%s",
+            model.describe_parts(),
+            ", activation checkpointing" if r.training.activation_checkpointing else "",
+        )
+        if self.val_samples:
+            log.info(
+                "[run] validation: %d held-out prompt(s) from %s, every %d steps and at the end",
+                len(self.val_samples),
+                r.validation.shards,
+                r.validation.every,
+            )
+
+    def build_value_model(self) -> None:
+        """PPO's value model: a value head trained with the policy by its optimizer, or a separate
+        critic (the policy's weights right after set-up, its own engine and optimizer)."""
+        from loomrl.platform.backbone.vlm import build_policy
+        from loomrl.platform.engines.torch_engine import TorchTrainEngine
+
+        r, model, ppo = self.recipe, self.model, self.recipe.algorithm.ppo
+        if ppo.critic == "value_head":
+            self.value_head = ValueHead(model.language_model.cfg.hidden_size).to(model.device)
+            self.extra_models["value_head"] = self.value_head
+            return
+        # the critic's weights are the policy's right after: no need to read init_from again
+        fresh = dataclasses.replace(r.model, init_from=None)
+        self.critic = build_critic(model, lambda: build_policy(fresh, self.tokenizer, r.training.seed).to(model.device))
+        self.critic.body.set_activation_checkpointing(r.training.activation_checkpointing)
+        self.critic_engine = TorchTrainEngine(self.critic, r.training, lr=ppo.critic_lr)
+        self.extra_models["critic"] = self.critic
 
     def freeze_parts(self, model) -> None:
         """training.freeze on the policy (model.encoders.frozen was applied when it was built): a
@@ -251,8 +259,8 @@ class Trainer(SupervisedSteps, Validation):
             self.prompts,
             build_rollout_engine(self.recipe, self.model),
             self.reward_fn,
-            TrajectoryStore(self.recipe.rollout.n),
-            generator,
+            store=TrajectoryStore(self.recipe.rollout.n),
+            generator=generator,
         )
 
     # ------------------------------------------------------------------ validation
@@ -598,8 +606,8 @@ class Trainer(SupervisedSteps, Validation):
             self.model,
             engine_state,
             state,
-            self.recipe.checkpoint.keep_last,
-            extra or None,
+            keep_last=self.recipe.checkpoint.keep_last,
+            extra_models=extra or None,
         )
 
     def load_state_dict(self, state: dict, engine_state: dict) -> None:

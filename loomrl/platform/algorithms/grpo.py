@@ -56,6 +56,7 @@ def policy_loss(
     mask: torch.Tensor,
     clip_eps: float,
     normaliser: float,
+    *,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     clip_eps_high: float | None = None,

@@ -25,6 +25,7 @@ def importance_weights(
     rollout_logp: torch.Tensor,
     mask: torch.Tensor,
     mode: str,
+    *,
     cap: float = 2.0,
     low: float = 0.5,
     high: float = 2.0,

@@ -46,7 +46,9 @@ def policy_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead
         logp, entropy = out[0], out[1]
         old = mb.old_logp if mb.old_logp is not None else logp.detach()
         # pi_old under the trainer vs the rollout engine that sampled the tokens
-        weights, is_stats = importance_weights(old, mb.rollout_logp, mb.loss_mask, im.mode, im.cap, im.low, im.high)
+        weights, is_stats = importance_weights(
+            old, mb.rollout_logp, mb.loss_mask, im.mode, cap=im.cap, low=im.low, high=im.high
+        )
         maxima["is_ratio_max"] = max(maxima["is_ratio_max"], is_stats.pop("is_ratio_max"))
         normaliser = {
             "token": mb.normaliser,
@@ -60,11 +62,11 @@ def policy_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead
             mb.loss_mask,
             low,
             normaliser,
-            mb.ref_logp,
-            kl_coef,
-            high,
-            None if im.mode == "none" else weights,
-            a.loss_norm,
+            ref_logp=mb.ref_logp,
+            kl_coef=kl_coef,
+            clip_eps_high=high,
+            weights=None if im.mode == "none" else weights,
+            loss_norm=a.loss_norm,
         )
         stats.update(is_stats)
         if value_head is not None:

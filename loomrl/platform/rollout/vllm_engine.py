@@ -38,9 +38,8 @@ NgramRL drafting runs inside vLLM (see `vllm_proposer.py`); its proposer counts 
 accepted tokens of each generate call (vLLM's own Prometheus counters are process-wide: an engine
 started later in the same process takes them over).
 
-Native multimodal serving (`start_native` / `generate_native`): a HF Qwen2-VL / Qwen2.5-VL /
-Qwen2-Audio folder served as it is, media in vLLM's multimodal input format, processed by the
-model's own processor (`vllm_shims` lets Qwen2-VL's work without torchvision).
+Native multimodal serving (a HF folder served as it is, vLLM's own towers and processor) is not
+wired to the trainer; the tests' reference path for it is `loomrl/testing/vllm_native.py`.
 
 vLLM runs in this process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): no
 child processes to orphan, ~2-3 s start on CPU. `shutdown()` stops its engine core.
@@ -475,9 +474,18 @@ class VLLMRolloutEngine:
             for out in engine.step():
                 if out.finished:
                     finished[out.request_id] = out
+        rollouts = self._rollouts(prompts, params.n, batch, finished)
+        self.last_stats, self.spec_metrics = self._drafting_tally()
+        tokens = sum(len(r.completion_ids) for r in rollouts)
+        # each target forward of a sequence commits one sampled token plus its accepted drafts
+        seq_forwards = max(1, tokens - self.spec_metrics.get("vllm_accepted_tokens", 0))
+        return RolloutResult(rollouts, steps, time.perf_counter() - start, seq_forwards)
+
+    def _rollouts(self, prompts: list[Prompt], n: int, batch: int, finished: dict) -> list[Rollout]:
+        """The finished requests of `batch` as grouped rollouts (prompt-major, n per prompt)."""
         rollouts = []
         for pi in range(len(prompts)):
-            for j in range(params.n):
+            for j in range(n):
                 rid = P.request_id(batch, pi, j)
                 out = next((o for k, o in finished.items() if k.startswith(rid + "-") or k == rid), None)
                 if out is None:
@@ -492,25 +500,23 @@ class VLLMRolloutEngine:
                 logps = [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs)]
                 reason = "stop" if ids and ids[-1] == self.model.eos_token_id else "length"
                 rollouts.append(Rollout(pi, j, ids, logps, reason))
-        stats = DraftStats()
-        self.spec_metrics = {}
-        if self.drafter_cfg is not None:
-            tally, control = self.llm.collective_rpc(P.rpc_end_batch)[0]
-            # accepted tokens per position against the number of drafts (vLLM's acceptance-by-position
-            # definition); drafted tokens only in total
-            stats = DraftStats([tally["drafts"]] * self.drafter_cfg.k, tally["accepted_per_pos"])
-            self.spec_metrics = {
-                "vllm_drafts": tally["drafts"],
-                "vllm_draft_tokens": tally["draft_tokens"],
-                "vllm_accepted_tokens": tally["accepted"],
-                "draft_acceptance": tally["accepted"] / max(1, tally["draft_tokens"]),
-                **control,
-            }
-        self.last_stats = stats
-        tokens = sum(len(r.completion_ids) for r in rollouts)
-        # each target forward of a sequence commits one sampled token plus its accepted drafts
-        seq_forwards = max(1, tokens - self.spec_metrics.get("vllm_accepted_tokens", 0))
-        return RolloutResult(rollouts, steps, time.perf_counter() - start, seq_forwards)
+        return rollouts
+
+    def _drafting_tally(self) -> tuple[DraftStats, dict]:
+        """The batch's drafting counters, from loomrl's proposer inside vLLM (none without a drafter)."""
+        if self.drafter_cfg is None:
+            return DraftStats(), {}
+        tally, control = self.llm.collective_rpc(P.rpc_end_batch)[0]
+        # accepted tokens per position against the number of drafts (vLLM's acceptance-by-position
+        # definition); drafted tokens only in total
+        stats = DraftStats([tally["drafts"]] * self.drafter_cfg.k, tally["accepted_per_pos"])
+        return stats, {
+            "vllm_drafts": tally["drafts"],
+            "vllm_draft_tokens": tally["draft_tokens"],
+            "vllm_accepted_tokens": tally["accepted"],
+            "draft_acceptance": tally["accepted"] / max(1, tally["draft_tokens"]),
+            **control,
+        }
 
     # ------------------------------------------------------------------ drafter + weights
 
@@ -607,122 +613,3 @@ def logprob_gap(
     m = mb.loss_mask.bool()
     diff = (logp[m].double() - mb.rollout_logp[m].double()).abs()
     return float(diff.mean()), float(diff.max()), int(m.sum())
-
-
-# ---------------------------------------------------------------------- native multimodal serving
-# A HF Qwen2-VL / Qwen2.5-VL / Qwen2-Audio folder served as it is: vLLM runs the model's own
-# towers and its own processor + tokenizer (from the folder), prompts go in vLLM's multimodal
-# format. This is the path for checkpoints trained elsewhere, and what a GPU job serves.
-
-NATIVE_MODALITY = {"qwen2_vl": "image", "qwen2_5_vl": "image", "qwen2_audio": "audio"}
-
-
-def start_native(folder: str, cfg: Optional[VLLMConfig] = None, seed: int = 0, media_per_prompt: int = 1):
-    """Start vLLM on a HF folder (config.json, safetensors in the hub key layout, tokenizer and
-    processor configs). Returns the `vllm.LLM`; stop it with `shutdown_native`. Video is off
-    (limit 0): without torchvision it could not be processed (see `vllm_shims`)."""
-    import json
-
-    cfg = cfg or VLLMConfig()
-    model_type = json.loads(Path(folder, "config.json").read_text()).get("model_type")
-    if model_type not in NATIVE_MODALITY:
-        raise ValueError(
-            f"{folder}/config.json: model_type {model_type!r} is not served natively "
-            f"(expected one of {sorted(NATIVE_MODALITY)})"
-        )
-    limits = {NATIVE_MODALITY[model_type]: media_per_prompt}
-    if NATIVE_MODALITY[model_type] == "image":
-        limits["video"] = 0
-    _set_vllm_env(cfg)
-    from loomrl.platform.rollout import vllm_shims
-
-    vllm_shims.apply()
-    from vllm import LLM
-
-    set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide
-    try:
-        return LLM(
-            model=folder,
-            dtype=cfg.dtype,
-            enforce_eager=cfg.enforce_eager,
-            seed=seed,
-            enable_prefix_caching=False,
-            max_model_len=cfg.max_model_len,
-            max_num_batched_tokens=max(8192, 64 * cfg.max_model_len),
-            max_num_seqs=1024,
-            limit_mm_per_prompt=limits,
-            logprobs_mode="processed_logprobs",
-        )
-    finally:
-        torch.set_num_threads = set_threads
-
-
-def media_token_ids(hf_config) -> list[int]:
-    """The media placeholder ids of a Qwen2-VL / Qwen2.5-VL / Qwen2-Audio config. A sampled
-    placeholder would break the next forward (placeholders must match media features), so
-    `generate_native` never samples them."""
-    names = ("image_token_id", "video_token_id", "audio_token_index", "audio_token_id")
-    return sorted({int(getattr(hf_config, n)) for n in names if getattr(hf_config, n, None) is not None})
-
-
-def shutdown_native(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
-
-
-def generate_native(
-    llm, prompts: list[dict], params: SamplingParams, generator: Optional[torch.Generator] = None
-) -> tuple[RolloutResult, list[list[int]]]:
-    """n samples per prompt from a `start_native` engine. prompts: vLLM's own format,
-    `{"prompt": text with the model's media placeholder, "multi_modal_data": {"image": PIL image}}`
-    or `{"audio": (float array, sample_rate)}`. Returns the grouped rollouts and each prompt's
-    token ids as the model's processor expanded them (what the trainer's forward needs to score
-    the completions). Log-probs are after temperature, of the distribution without the media
-    placeholders (`media_token_ids`; the trainer masks them the same way). `forwards` is not
-    counted here (0): `LLM.generate` runs the scheduler steps itself."""
-    from vllm import SamplingParams as VSP
-
-    start = time.perf_counter()
-    model_config = llm.llm_engine.model_config
-    banned = set(media_token_ids(model_config.hf_config))
-    allowed = [i for i in range(model_config.get_vocab_size()) if i not in banned]
-    seeds = torch.randint(
-        0,
-        2**31 - 1,
-        (len(prompts) * params.n,),
-        generator=generator,
-        device=generator.device if generator is not None else None,
-    ).tolist()
-    # one request per sample, each with its own seed (as in VLLMRolloutEngine.generate)
-    sps = [
-        VSP(
-            n=1,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            max_tokens=params.max_new_tokens,
-            logprobs=0,
-            seed=seed,
-            detokenize=False,
-            allowed_token_ids=allowed,
-        )
-        for seed in seeds
-    ]
-    outs = llm.generate([p for p in prompts for _ in range(params.n)], sps, use_tqdm=False)
-    rollouts, prompt_ids = [], []
-    for i, out in enumerate(outs):
-        pi, j = divmod(i, params.n)
-        if j == 0:
-            prompt_ids.append(list(out.prompt_token_ids))
-        c = out.outputs[0]
-        ids = list(c.token_ids)
-        rollouts.append(
-            Rollout(
-                pi,
-                j,
-                ids,
-                [float(lp[t].logprob) for t, lp in zip(ids, c.logprobs)],
-                "stop" if c.finish_reason == "stop" else "length",
-            )
-        )
-    tokens = sum(len(r.completion_ids) for r in rollouts)
-    return RolloutResult(rollouts, 0, time.perf_counter() - start, tokens), prompt_ids

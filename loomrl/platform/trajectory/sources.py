@@ -266,7 +266,7 @@ class ColocatedSource:
 
     sync_every_update = False
 
-    def __init__(self, recipe, model, tokenizer, prompts, rollout, reward_fn, store, generator: torch.Generator):
+    def __init__(self, recipe, model, tokenizer, prompts, rollout, reward_fn, *, store, generator: torch.Generator):
         from loomrl.platform.engines.base import world
         from loomrl.platform.parts import sampling_params
 

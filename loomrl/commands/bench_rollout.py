@@ -52,9 +52,9 @@ from typing import Optional
 
 import torch
 
-log = logging.getLogger("loomrl.bench")
+log = logging.getLogger("loomrl.commands.bench")
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 TRACES = ROOT / "data" / "traces" / "traces_C.jsonl.gz"
 QWEN2_05B = dict(
     hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, rope_theta=1_000_000.0
@@ -72,6 +72,7 @@ class Workload:
         batches: list[list],
         params,
         forced: Optional[list] = None,
+        *,
         history: Optional[list] = None,
         engine: str = "torch",
     ):
@@ -114,8 +115,8 @@ def traced_workload(
 ) -> Workload:
     """The Qwen2-0.5B-shaped policy (or `shape`: ModelConfig sizes) with completions forced to the
     traces (module docstring)."""
+    from loomrl.commands.bench_drafter import load_traces
     from loomrl.platform.rollout.base import Prompt, SamplingParams
-    from loomrl.platform.rollout.bench_drafter import load_traces
 
     rows = load_traces(str(path))
     last = max(r["round"] for r in rows)
@@ -139,7 +140,7 @@ def traced_workload(
             [remap(by_prompt[pid][b * samples + s]["completion_ids"]) for pid in chosen for s in range(samples)]
         )
     params = SamplingParams(n=samples, temperature=1.0, max_new_tokens=tokens)
-    return Workload("qwen2-0.5b", model, batches, params, forced, history)
+    return Workload("qwen2-0.5b", model, batches, params, forced, history=history)
 
 
 def _trace_policy(rows: list[dict], shape: Optional[dict]):
@@ -188,8 +189,8 @@ def greedy_workload(
     output so far and the cross-prompt history, no prompt history. A random-weight model's greedy
     output falls into loops within a few tokens, which those drafts catch: the case where drafting
     pays most without any repeated prompt."""
+    from loomrl.commands.bench_drafter import load_traces
     from loomrl.platform.rollout.base import Prompt, SamplingParams
-    from loomrl.platform.rollout.bench_drafter import load_traces
 
     rows = load_traces(str(path))
     model, remap = _trace_policy(rows, shape)

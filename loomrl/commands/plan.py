@@ -502,6 +502,7 @@ def activation_bytes(
     tp: int,
     w: int,
     checkpointing: bool,
+    *,
     vocab_rows: Optional[int] = None,
     fused_attention: bool = False,
 ) -> dict:
@@ -587,7 +588,7 @@ def make_plan(
     s, s_from = sequence_length(recipe, seq_len)
     b = t.micro_batch_size
     checkpointing = bool(getattr(t, "activation_checkpointing", False))
-    act = activation_bytes(c, s, b, tp, act_w, checkpointing, vocab_rows, fused_attention)
+    act = activation_bytes(c, s, b, tp, act_w, checkpointing, vocab_rows=vocab_rows, fused_attention=fused_attention)
     terms = ["10 + 24/tp" if tp > 1 else "34"] + ([] if fused_attention else ["5*a*s/(h*tp)" if tp > 1 else "5*a*s/h"])
     layer_formula = " + ".join(terms)
     scale = "" if act_w == 2 else " x 2 (fp32)"

@@ -103,7 +103,7 @@ def _prepare(recipe: str, overrides: list[str]) -> tuple[int, int]:
 
 
 def run_grid(
-    recipe: str, cells: list[dict], overrides: list[str], workdir: Path, cores: int, first_n: int, last_n: int
+    recipe: str, cells: list[dict], overrides: list[str], workdir: Path, cores: int, *, first_n: int, last_n: int
 ) -> list[dict]:
     """Run every cell (as many at once as fit `cores` by their threads); their results in order."""
     todo = list(enumerate(cells))
@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="loomrl-bench-demo-") as tmp:
         workdir = Path(args.out) if args.out else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        results = run_grid(args.recipe, cells, args.overrides, workdir, args.jobs_cores, first_n, last_n)
+        results = run_grid(args.recipe, cells, args.overrides, workdir, args.jobs_cores, first_n=first_n, last_n=last_n)
     lasts = [r["last"] for r in results if r["last"] is not None]
     met = sum(r["goal_met"] is True for r in results)
     median = round(statistics.median(lasts), 4) if lasts else None

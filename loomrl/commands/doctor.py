@@ -170,7 +170,7 @@ def run_doctor(
         "auto": ROLLOUT_ENGINES.get(engine).trait("rounding") if engine in ROLLOUT_ENGINES else None,
     }
     if trace:
-        from loomrl.platform.doctor_trace import trace_vllm
+        from loomrl.commands.doctor_trace import trace_vllm
 
         report["trace"] = trace_vllm(model, prompts, rollouts)
     return report
@@ -233,7 +233,7 @@ def main(argv: list[str]) -> int:
         return 2
     print(table(report), flush=True)
     if "trace" in report:
-        from loomrl.platform.doctor_trace import trace_table
+        from loomrl.commands.doctor_trace import trace_table
 
         print("\n" + trace_table(report["trace"]), flush=True)
     if args.json:

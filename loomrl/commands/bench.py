@@ -9,11 +9,11 @@ import importlib
 import sys
 
 BENCHES = {
-    "demo": "loomrl.platform.bench_demo",
-    "drafter": "loomrl.platform.rollout.bench_drafter",
-    "encoders": "loomrl.encoders.bench",
-    "rollout": "loomrl.platform.rollout.bench_rollout",
-    "staleness": "loomrl.platform.trajectory.bench_staleness",
+    "demo": "loomrl.commands.bench_demo",
+    "drafter": "loomrl.commands.bench_drafter",
+    "encoders": "loomrl.commands.bench_encoders",
+    "rollout": "loomrl.commands.bench_rollout",
+    "staleness": "loomrl.commands.bench_staleness",
 }
 
 
