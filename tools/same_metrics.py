@@ -33,6 +33,14 @@ COMMON = [
 JOBS = {  # name: (recipe, overrides)
     "demo": ("recipes/demo.yaml", ["training.prompts_per_step=4", "rollout.n=4"]),
     "demo-ppo": ("recipes/demo-ppo.yaml", ["training.prompts_per_step=4", "rollout.n=4"]),
+    "demo-draft-trees": (
+        "recipes/demo.yaml",
+        ["training.prompts_per_step=4", "rollout.n=4", "rollout.drafter.tree_nodes=16"],
+    ),
+    "demo-draft-prefetch": (
+        "recipes/demo.yaml",
+        ["training.prompts_per_step=4", "rollout.n=4", "rollout.drafter.prefetch_budget=16"],
+    ),
     "demo-sft": ("recipes/demo.yaml", ["algorithm.name=sft", "training.prompts_per_step=8"]),
     "demo-grpo-importance-kl": (
         "recipes/demo.yaml",

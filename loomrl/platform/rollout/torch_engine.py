@@ -225,7 +225,11 @@ class TorchRolloutEngine:
         generator: Optional[torch.Generator] = None,
         forced: Optional[list[list[int]]] = None,
     ) -> RolloutResult:
-        """forced (benchmarks): per row (prompt-major, n per prompt), the completion to commit
+        """n samples per prompt, grouped. Each forward scores every live row's last token and its
+        draft (a chain, or a tree), verifies the draft against the row's own position-keyed samples,
+        commits the accepted tokens plus one, and rolls the rejected columns out of the KV cache.
+
+        forced (benchmarks): per row (prompt-major, n per prompt), the completion to commit
         instead of sampling, at least max_new_tokens long: every forward runs as it would, the
         target's distribution is a point mass on the forced token, so drafts are accepted exactly
         where they equal it (`loomrl bench rollout` forces recorded rollouts onto a random model)."""
@@ -236,6 +240,41 @@ class TorchRolloutEngine:
         k = self.drafter_cfg.k if self.drafter else 0
         stats = DraftStats([0] * k, [0] * k)
         control = self.control
+        d = self._start(prompts, params, generator, forced, k)
+        t_step, index_s = time.perf_counter(), self.drafter.index_s if self.drafter else 0.0
+        arm = (control.choose() if control else Choice(k, self.tree_nodes)) if self.drafter else Choice(0, 0)
+        drafts = self._propose_all(d, prompts, params, arm, {}, stats)
+        forwards, seq_forwards = 1, len(d.rows)
+        while not all(d.done):
+            d.drop_finished(model.device)  # finished rows leave the batch: later forwards score live rows only
+            n = len(d.live)
+            seq_forwards += n
+            forwards += 1
+            step = self._decode_step(d, drafts, arm.nodes > 0, params, k, stats)
+            next_drafts, committed_now = self._commit(d, drafts, arm.nodes > 0, step, params, stats)
+            if control is not None:
+                # this forward's lookups, forward and verification; indexing finished completions and
+                # new requests is paid once whatever the draft length, so it is left out of the comparison
+                now, indexed = time.perf_counter(), self.drafter.index_s
+                control.observe(now - t_step - (indexed - index_s), n, step.n_accepted, committed_now)
+                t_step, index_s = now, indexed
+                arm = control.choose()
+            if self.drafter:
+                drafts = self._propose_all(d, prompts, params, arm, next_drafts, stats)
+        model.train(was_training)
+        self.last_stats = stats
+        self.spec_metrics = control.summary() if control is not None else {}
+        rollouts = [
+            Rollout(pi, j, d.tokens[i], d.logps[i], "stop" if d.tokens[i][-1] == model.eos_token_id else "length")
+            for i, (pi, j) in enumerate(d.rows)
+        ]
+        return RolloutResult(rollouts, forwards, time.perf_counter() - start, seq_forwards)
+
+    def _start(
+        self, prompts: list[Prompt], params: SamplingParams, generator, forced: Optional[list[list[int]]], k: int
+    ) -> "_Decoding":
+        """The prefill of every row (n per prompt, media encoded once each) and its first token."""
+        model = self.model
         rows = [(pi, j) for pi in range(len(prompts)) for j in range(params.n)]
         b = len(rows)
         row_media = [prompts[pi].media for pi, _ in rows]
@@ -246,22 +285,15 @@ class TorchRolloutEngine:
             if len(forced) != b or min(len(f) for f in forced) < params.max_new_tokens:
                 raise ValueError(f"forced: {b} completions of at least {params.max_new_tokens} tokens expected")
             force = to_device(torch.tensor([f[: params.max_new_tokens] for f in forced]), dev)
-
-        def point_mass(probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            tok = force.gather(1, positions.clamp(max=force.shape[1] - 1))
-            return torch.zeros_like(probs).scatter_(-1, tok.view(*probs.shape[:-1], 1), 1.0)
-
         ids, mask = left_pad([prompts[pi].ids for pi, _ in rows], model.pad_token_id, dev)
         # M-RoPE: image tokens take (t, h, w) positions; generated tokens continue from the
         # prompt's largest position + 1 (rope_deltas), as in transformers' Qwen2-VL
         positions, rope_deltas = model.position_ids(ids, mask, row_media)
         logits, cache = model.forward_embeds(model.embed(ids, row_media, encodings), mask, positions=positions)
-        forwards = 1
-        report_t = params.temperature if params.temperature > 0 else 1.0
-        logp = model.token_logprobs(logits[:, -1], report_t)
+        logp = model.token_logprobs(logits[:, -1], _report_temperature(params))
         probs = target_probs(logp, params.temperature, params.top_p)
         if force is not None:
-            probs = point_mass(probs, torch.zeros((b, 1), dtype=torch.long, device=dev))
+            probs = _point_mass(probs, force, torch.zeros((b, 1), dtype=torch.long, device=dev))
         first = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         first_logp = logp.gather(-1, first[:, None]).squeeze(-1)
         tokens = [[t] for t in to_host(first).tolist()]
@@ -269,186 +301,129 @@ class TorchRolloutEngine:
         # later tokens are position-keyed samples (position_keyed_sample): a row's seed and the position
         row_seeds = torch.randint(0, 1 << 62, (b,), generator=generator, device=dev)
         done = [params.max_new_tokens <= 1 or t[0] == model.eos_token_id for t in tokens]
-        # a row's drafter state is made when it first drafts (plain forwards need none)
-        states: list = [None] * b
-        # per row, the most it drafts next: twice what its last draft got committed (its accepted
-        # tokens + 1), so a row whose drafts keep failing costs the forward few extra positions
-        cap = [k] * b
+        return _Decoding(
+            rows, tokens, logps, done, [None] * b, [k] * b, list(range(b)), mask, cache, row_seeds, rope_deltas, force
+        )
 
-        def propose_all(k_now: int, nodes_now: int, ready: dict[int, Draft]) -> dict:
-            """Each live row's draft of up to k_now tokens (a Draft), or with nodes_now > 0 its draft
-            tree of up to nodes_now tokens k_now deep (a Tree): prefetched (`ready`) or looked up."""
-            out: dict = {}
-            memo: dict = {}
-            if k_now == 0:  # plain decoding: no lookups
-                return out
-            for i in range(b):
-                if done[i]:
-                    continue
-                left = params.max_new_tokens - 1 - len(tokens[i])
-                n = min(k_now, left) if nodes_now else min(k_now, cap[i], left)
-                if i in ready and not nodes_now:  # deterministic drafter: a shorter draft is a prefix of a longer one
-                    d = ready[i]
-                    out[i] = Draft(d.tokens[:n], d.alternatives[: n + 1], d.backoff[: n + 1])
-                    continue
-                if states[i] is None:
-                    states[i] = self.drafter.start(prompts[rows[i][0]].id, prompts[rows[i][0]].ids + tokens[i])
-                out[i] = self._propose(states[i], n, nodes_now, stats, memo)
+    def _propose_all(
+        self, d: "_Decoding", prompts: list[Prompt], params: SamplingParams, arm: Choice, ready: dict, stats
+    ) -> dict:
+        """Each live row's draft of up to arm.k tokens (a Draft), or with arm.nodes > 0 its draft
+        tree of up to arm.nodes tokens arm.k deep (a Tree): prefetched (`ready`) or looked up."""
+        out: dict = {}
+        memo: dict = {}
+        if arm.k == 0:  # plain decoding: no lookups
             return out
+        for i in range(len(d.rows)):
+            if d.done[i]:
+                continue
+            left = params.max_new_tokens - 1 - len(d.tokens[i])
+            n = min(arm.k, left) if arm.nodes else min(arm.k, d.cap[i], left)
+            if i in ready and not arm.nodes:  # deterministic drafter: a shorter draft is a prefix of a longer one
+                r = ready[i]
+                out[i] = Draft(r.tokens[:n], r.alternatives[: n + 1], r.backoff[: n + 1])
+                continue
+            if d.states[i] is None:
+                prompt = prompts[d.rows[i][0]]
+                d.states[i] = self.drafter.start(prompt.id, prompt.ids + d.tokens[i])
+            out[i] = self._propose(d.states[i], n, arm.nodes, stats, memo)
+        return out
 
-        t_step, index_s = time.perf_counter(), self.drafter.index_s if self.drafter else 0.0
-        arm = (control.choose() if control else Choice(k, self.tree_nodes)) if self.drafter else Choice(0, 0)
-        drafts = propose_all(arm.k, arm.nodes, {})
-        seq_forwards = b
-        live = list(range(b))  # the rows in the batch tensors (mask, cache, seeds), in order
-        seeds = row_seeds
-        while not all(done):
-            still = [r for r, i in enumerate(live) if not done[i]]
-            if len(still) < len(live):  # finished rows leave the batch: later forwards score live rows only
-                sel = to_device(torch.tensor(still), dev)
-                mask, seeds = mask[sel], seeds[sel]
-                cache = [(kc[sel], vc[sel]) for kc, vc in cache]
-                rope_deltas = rope_deltas[sel] if rope_deltas is not None else None
-                force = force[sel] if force is not None else None
-                live = [live[r] for r in still]
-            n = len(live)
-            seq_forwards += n
-            tree = arm.nodes > 0
-            width = 1 + max((len(drafts[i].tokens) for i in live if i in drafts), default=0)
-            # column 0 is the row's last token; column c > 0 is draft token c - 1, whose parent column is
-            # parent[c] and which sits depth[c] positions after column 0 (a single draft: c - 1 and c)
-            step_ids = torch.full((n, width), model.pad_token_id, dtype=torch.long)
-            step_mask = torch.zeros((n, width), dtype=torch.long)
-            draft = torch.full((n, width), -1, dtype=torch.long)
-            parent = torch.arange(width).repeat(n, 1)  # padding columns: their own parent, depth 0
-            depth = torch.zeros((n, width), dtype=torch.long)
-            counts = torch.tensor([[len(tokens[i])] for i in live], dtype=torch.long)  # completion tokens so far
-            for r, i in enumerate(live):
-                d = drafts[i] if i in drafts else Tree()
-                m = len(d.tokens)
-                step_ids[r, : 1 + m] = torch.tensor([tokens[i][-1]] + d.tokens)
-                step_mask[r, : 1 + m] = 1
-                draft[r, 1 : 1 + m] = torch.tensor(d.tokens, dtype=torch.long)
-                if tree:
-                    parent[r, 1 : 1 + m] = torch.tensor(d.parents, dtype=torch.long) + 1
-                    depth[r, 1 : 1 + m] = torch.tensor(d.depths(), dtype=torch.long)
-                else:
-                    parent[r, 1 : 1 + m] = torch.arange(m)
-                    depth[r, 1 : 1 + m] = torch.arange(1, m + 1)
-            # the host-built step goes to the device in one copy
-            step = to_device(torch.cat([step_ids, step_mask, draft, parent, depth, counts], dim=1), dev)
-            step_ids, step_mask, draft, parent, depth, counts = step.split([width] * 5 + [1], dim=1)
-            mask = torch.cat([mask, step_mask], dim=1)
-            col0 = mask.shape[1] - width
-            future = (
-                self._pool.submit(self._prefetch, states, dict(drafts), k)
-                if self._pool and drafts and not tree
-                else None
+    def _decode_step(self, d: "_Decoding", drafts: dict, tree: bool, params: SamplingParams, k: int, stats) -> "_Step":
+        """One forward over the live rows and their drafts, verified; the rejected columns leave the KV
+        cache and the mask. Returns what the host needs, brought over in one copy."""
+        model, dev = self.model, self.model.device
+        n = len(d.live)
+        step_ids, step_mask, draft, parent, depth, counts, width = _step_columns(d, drafts, tree, model.pad_token_id)
+        d.mask = torch.cat([d.mask, step_mask], dim=1)
+        col0 = d.mask.shape[1] - width
+        future = (
+            self._pool.submit(self._prefetch, d.states, dict(drafts), k) if self._pool and drafts and not tree else None
+        )
+        logits, d.cache = model.forward_embeds(
+            model.language_model.embed(step_ids),
+            d.mask,
+            d.cache,
+            rope_deltas=d.rope_deltas,
+            tree=(depth, tree_mask(parent, depth)) if tree else None,
+        )
+        logp = model.token_logprobs(logits, _report_temperature(params))  # [B, W, V]
+        probs = target_probs(logp, params.temperature, params.top_p)
+        if d.force is not None:
+            probs = _point_mass(probs, d.force, counts + depth)
+        prepared = future.result() if future is not None else {}
+        sample = position_keyed_sample(probs, d.seeds, counts + depth)
+        sample_logp = logp.gather(-1, sample[..., None]).squeeze(-1)
+        j, path = _accepted_path(sample, draft, parent, depth, tree)
+        committed, committed_logp = sample.gather(1, path), sample_logp.gather(1, path)
+        if width > 1:  # roll back: the rejected draft columns leave the KV cache and the mask
+            d.mask, d.cache = drop_rejected(d.mask, d.cache, col0, 1 + j, path)
+        # what the host needs of this forward, in one copy: per row j and the committed
+        # tokens with their log-probs, per draft position the drafted and accepted counts
+        levels = torch.arange(1, k + 1, device=dev)[None] if k else torch.zeros((1, 0), device=dev)
+        n_drafted = (depth.amax(dim=1)[:, None] >= levels).sum(dim=0)
+        n_accepted = (j[:, None] >= levels).sum(dim=0)
+        host = to_host(
+            torch.cat(
+                [
+                    j[:, None].double(),
+                    committed.double(),
+                    committed_logp.double(),
+                    torch.cat([n_drafted, n_accepted]).double()[None].expand(n, -1),
+                ],
+                dim=1,
             )
-            logits, cache = model.forward_embeds(
-                model.language_model.embed(step_ids),
-                mask,
-                cache,
-                rope_deltas=rope_deltas,
-                tree=(depth, tree_mask(parent, depth)) if tree else None,
-            )
-            forwards += 1
-            logp = model.token_logprobs(logits, report_t)  # [B, W, V]
-            probs = target_probs(logp, params.temperature, params.top_p)
-            if force is not None:
-                probs = point_mass(probs, counts + depth)
-            prepared = future.result() if future is not None else {}
-            # Verify every row at once: each column's own sample (the token at its position, given its
-            # ancestors) decides which child, if any, is accepted next: the accepted columns form a
-            # path from column 0, its length j is the accepted drafts, and the sample at its end is
-            # the bonus token.
-            sample = position_keyed_sample(probs, seeds, counts + depth)
-            sample_logp = logp.gather(-1, sample[..., None]).squeeze(-1)
-            if tree:
-                accepted = torch.zeros((n, width), dtype=torch.bool, device=dev)
-                accepted[:, 0] = True
-                for level in range(1, int(depth.max()) + 1):
-                    accepted |= (depth == level) & (draft == sample.gather(1, parent)) & accepted.gather(1, parent)
-                j = (depth * accepted).amax(dim=1)  # [B]
-                path = torch.zeros((n, width + 1), dtype=torch.long, device=dev)  # column at each depth
-                path.scatter_(1, torch.where(accepted, depth, width), torch.arange(width, device=dev).expand(n, width))
-                path = path[:, :width]
-            else:  # a single draft: columns in order, accepted up to the first mismatch
-                accept = (sample[:, :-1] == draft[:, 1:]) & (draft[:, 1:] >= 0)
-                j = accept.long().cumprod(dim=1).sum(dim=1)
-                path = torch.arange(width, device=dev).expand(n, width)
-            committed, committed_logp = sample.gather(1, path), sample_logp.gather(1, path)
-            if width > 1:  # roll back: the rejected draft columns leave the KV cache and the mask
-                mask, cache = drop_rejected(mask, cache, col0, 1 + j, path)
-            # what the host needs of this forward, in one copy: per row j and the committed
-            # tokens with their log-probs, per draft position the drafted and accepted counts
-            levels = torch.arange(1, k + 1, device=dev)[None] if k else torch.zeros((1, 0), device=dev)
-            n_drafted = (depth.amax(dim=1)[:, None] >= levels).sum(dim=0)
-            n_accepted = (j[:, None] >= levels).sum(dim=0)
-            host = to_host(
-                torch.cat(
-                    [
-                        j[:, None].double(),
-                        committed.double(),
-                        committed_logp.double(),
-                        torch.cat([n_drafted, n_accepted]).double()[None].expand(n, -1),
-                    ],
-                    dim=1,
-                )
-            )
-            j_list = host[:, 0].long().tolist()
-            comm_list = host[:, 1 : 1 + width].long().tolist()
-            comm_logp = host[:, 1 + width : 1 + 2 * width].tolist()
-            n_drafted = host[0, 1 + 2 * width : 1 + 2 * width + k].long().tolist()
-            n_accepted = host[0, 1 + 2 * width + k :].long().tolist()
-            for pos in range(k):
-                stats.drafted_by_pos[pos] += n_drafted[pos]
-                stats.accepted_by_pos[pos] += n_accepted[pos]
-            next_drafts: dict[int, Draft] = {}
-            committed_now = 0
-            for r, i in enumerate(live):
-                ji = j_list[r]
-                new = comm_list[r][: ji + 1]
-                new_logp = comm_logp[r][: ji + 1]
-                if model.eos_token_id in new:
-                    cut = new.index(model.eos_token_id) + 1
-                    new, new_logp = new[:cut], new_logp[:cut]
-                tokens[i].extend(new)
-                logps[i].extend(new_logp)
-                committed_now += len(new)
-                if states[i] is not None:
-                    states[i].extend(new)
-                if new[-1] == model.eos_token_id or len(tokens[i]) >= params.max_new_tokens:
-                    done[i] = True
-                    continue
-                if i in drafts and not tree:  # (drafts exist only with a drafter)
-                    n_d = len(drafts[i].tokens)
-                    if n_d:
-                        cap[i] = 2 * (ji + 1)
-                    outcome = (ji, new[-1])
-                    if self.prefetcher:
-                        self.prefetcher.observe(n_d, ji, outcome in prepared.get(i, {}))
-                    stats.outcomes += 1
-                    if outcome in prepared.get(i, {}):  # (prepared only with the prefetch thread)
-                        stats.prefetched += 1
-                        next_drafts[i] = prepared[i][outcome]
-            if control is not None:
-                # this forward's lookups, forward and verification; indexing finished completions and
-                # new requests is paid once whatever the draft length, so it is left out of the comparison
-                now, indexed = time.perf_counter(), self.drafter.index_s
-                control.observe(now - t_step - (indexed - index_s), n, n_accepted, committed_now)
-                t_step, index_s = now, indexed
-                arm = control.choose()
-            if self.drafter:
-                drafts = propose_all(arm.k, arm.nodes, next_drafts)
-        model.train(was_training)
-        self.last_stats = stats
-        self.spec_metrics = control.summary() if control is not None else {}
-        rollouts = [
-            Rollout(pi, j, tokens[i], logps[i], "stop" if tokens[i][-1] == model.eos_token_id else "length")
-            for i, (pi, j) in enumerate(rows)
-        ]
-        return RolloutResult(rollouts, forwards, time.perf_counter() - start, seq_forwards)
+        )
+        n_drafted = host[0, 1 + 2 * width : 1 + 2 * width + k].long().tolist()
+        n_accepted = host[0, 1 + 2 * width + k :].long().tolist()
+        for pos in range(k):
+            stats.drafted_by_pos[pos] += n_drafted[pos]
+            stats.accepted_by_pos[pos] += n_accepted[pos]
+        return _Step(
+            host[:, 0].long().tolist(),
+            host[:, 1 : 1 + width].long().tolist(),
+            host[:, 1 + width : 1 + 2 * width].tolist(),
+            n_accepted,
+            prepared,
+        )
+
+    def _commit(
+        self, d: "_Decoding", drafts: dict, tree: bool, step: "_Step", params: SamplingParams, stats
+    ) -> tuple[dict, int]:
+        """Each live row takes its accepted drafts and the bonus token (up to EOS); a row that ends is
+        done. Returns the next drafts the prefetcher prepared for the outcomes that happened, and the
+        tokens committed."""
+        eos = self.model.eos_token_id
+        next_drafts: dict[int, Draft] = {}
+        committed_now = 0
+        for r, i in enumerate(d.live):
+            ji = step.accepted[r]
+            new = step.committed[r][: ji + 1]
+            new_logp = step.committed_logp[r][: ji + 1]
+            if eos in new:
+                cut = new.index(eos) + 1
+                new, new_logp = new[:cut], new_logp[:cut]
+            d.tokens[i].extend(new)
+            d.logps[i].extend(new_logp)
+            committed_now += len(new)
+            if d.states[i] is not None:
+                d.states[i].extend(new)
+            if new[-1] == eos or len(d.tokens[i]) >= params.max_new_tokens:
+                d.done[i] = True
+                continue
+            if i in drafts and not tree:  # (drafts exist only with a drafter)
+                n_d = len(drafts[i].tokens)
+                if n_d:
+                    d.cap[i] = 2 * (ji + 1)
+                outcome = (ji, new[-1])
+                prepared = step.prepared.get(i, {})  # (prepared only with the prefetch thread)
+                if self.prefetcher:
+                    self.prefetcher.observe(n_d, ji, outcome in prepared)
+                stats.outcomes += 1
+                if outcome in prepared:
+                    stats.prefetched += 1
+                    next_drafts[i] = prepared[outcome]
+        return next_drafts, committed_now
 
     def generate_plain(
         self, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
@@ -496,3 +471,109 @@ class TorchRolloutEngine:
             self._pool.shutdown(wait=True)
             self._pool = None
         self.model = None
+
+
+@dataclass
+class _Decoding:
+    """The rows of one `generate` call while they decode. The host lists are indexed by row
+    (prompt-major, n per prompt); the tensors hold the live rows only, in `live` order."""
+
+    rows: list  # (prompt index, sample index)
+    tokens: list  # completion tokens so far
+    logps: list  # their log-probs
+    done: list
+    states: list  # a row's drafter state, made when it first drafts (plain forwards need none)
+    # per row, the most it drafts next: twice what its last draft got committed (its accepted
+    # tokens + 1), so a row whose drafts keep failing costs the forward few extra positions
+    cap: list
+    live: list  # the rows in the batch tensors (mask, cache, seeds), in order
+    mask: torch.Tensor
+    cache: list
+    seeds: torch.Tensor  # per live row: its position-keyed samples draw from (seed, position)
+    rope_deltas: Optional[torch.Tensor]
+    force: Optional[torch.Tensor]  # benchmarks: per live row, the completion to commit
+
+    def drop_finished(self, dev) -> None:
+        """Finished rows leave the batch tensors."""
+        still = [r for r, i in enumerate(self.live) if not self.done[i]]
+        if len(still) == len(self.live):
+            return
+        sel = to_device(torch.tensor(still), dev)
+        self.mask, self.seeds = self.mask[sel], self.seeds[sel]
+        self.cache = [(kc[sel], vc[sel]) for kc, vc in self.cache]
+        self.rope_deltas = self.rope_deltas[sel] if self.rope_deltas is not None else None
+        self.force = self.force[sel] if self.force is not None else None
+        self.live = [self.live[r] for r in still]
+
+
+@dataclass
+class _Step:
+    """What the host needs of one verified forward, per live row: accepted drafts, committed
+    tokens and log-probs (by column along the accepted path); per draft position the accepted
+    count; the prefetcher's prepared next drafts."""
+
+    accepted: list
+    committed: list
+    committed_logp: list
+    n_accepted: list
+    prepared: dict
+
+
+def _report_temperature(params: SamplingParams) -> float:
+    """The temperature reported log-probs are under (greedy decoding reports T = 1)."""
+    return params.temperature if params.temperature > 0 else 1.0
+
+
+def _point_mass(probs: torch.Tensor, force: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Benchmarks: the distribution at each position, replaced by a point mass on the forced token."""
+    tok = force.gather(1, positions.clamp(max=force.shape[1] - 1))
+    return torch.zeros_like(probs).scatter_(-1, tok.view(*probs.shape[:-1], 1), 1.0)
+
+
+def _step_columns(d: _Decoding, drafts: dict, tree: bool, pad_token_id: int):
+    """The forward's inputs for the live rows, built on the host and moved in one copy: column 0 is
+    the row's last token; column c > 0 is draft token c - 1, whose parent column is parent[c] and
+    which sits depth[c] positions after column 0 (a single draft: c - 1 and c). Returns (ids, mask,
+    draft, parent, depth, counts of completion tokens so far, width)."""
+    n = len(d.live)
+    width = 1 + max((len(drafts[i].tokens) for i in d.live if i in drafts), default=0)
+    step_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    step_mask = torch.zeros((n, width), dtype=torch.long)
+    draft = torch.full((n, width), -1, dtype=torch.long)
+    parent = torch.arange(width).repeat(n, 1)  # padding columns: their own parent, depth 0
+    depth = torch.zeros((n, width), dtype=torch.long)
+    counts = torch.tensor([[len(d.tokens[i])] for i in d.live], dtype=torch.long)
+    for r, i in enumerate(d.live):
+        dr = drafts[i] if i in drafts else Tree()
+        m = len(dr.tokens)
+        step_ids[r, : 1 + m] = torch.tensor([d.tokens[i][-1]] + dr.tokens)
+        step_mask[r, : 1 + m] = 1
+        draft[r, 1 : 1 + m] = torch.tensor(dr.tokens, dtype=torch.long)
+        if tree:
+            parent[r, 1 : 1 + m] = torch.tensor(dr.parents, dtype=torch.long) + 1
+            depth[r, 1 : 1 + m] = torch.tensor(dr.depths(), dtype=torch.long)
+        else:
+            parent[r, 1 : 1 + m] = torch.arange(m)
+            depth[r, 1 : 1 + m] = torch.arange(1, m + 1)
+    step = to_device(torch.cat([step_ids, step_mask, draft, parent, depth, counts], dim=1), d.mask.device)
+    return (*step.split([width] * 5 + [1], dim=1), width)
+
+
+def _accepted_path(sample: torch.Tensor, draft, parent, depth, tree: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify every row at once: each column's own sample (the token at its position, given its
+    ancestors) decides which child, if any, is accepted next. The accepted columns form a path from
+    column 0; returns j (its length: the accepted drafts, [B]) and the column at each depth [B, W]
+    (the sample at depth j is the bonus token)."""
+    n, width = sample.shape
+    dev = sample.device
+    if not tree:  # a single draft: columns in order, accepted up to the first mismatch
+        accept = (sample[:, :-1] == draft[:, 1:]) & (draft[:, 1:] >= 0)
+        return accept.long().cumprod(dim=1).sum(dim=1), torch.arange(width, device=dev).expand(n, width)
+    accepted = torch.zeros((n, width), dtype=torch.bool, device=dev)
+    accepted[:, 0] = True
+    for level in range(1, int(depth.max()) + 1):
+        accepted |= (depth == level) & (draft == sample.gather(1, parent)) & accepted.gather(1, parent)
+    j = (depth * accepted).amax(dim=1)
+    path = torch.zeros((n, width + 1), dtype=torch.long, device=dev)  # column at each depth
+    path.scatter_(1, torch.where(accepted, depth, width), torch.arange(width, device=dev).expand(n, width))
+    return j, path[:, :width]
