@@ -11,20 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-# Timings, left out of the comparison: seconds and microseconds by their unit suffix (the phase
-# timers are named `<phase>_s`), and by name the two ratios of timings. Every other field,
-# algorithm statistics such as clip_frac included, must be equal.
-TIMING_UNITS = ("_s", "_us")
-TIMING_RATIOS = ("trainer_idle_frac", "drafting_speedup")
-PER_PROCESS = (
-    "transport_bytes_sent",
-    "transport_bytes_received",
-    "media_bytes_sent_to_workers",
-    "media_bytes_naive_to_workers",
-    "vllm_sync_logp_diff",
-)
+from loomrl.platform.metrics import comparable
 
+ROOT = Path(__file__).resolve().parent.parent
 CASES = {
     "disaggregated-vllm-ppo": [
         "pipeline.mode=disaggregated",
@@ -90,14 +79,8 @@ def cli(out: Path, shards: Path, extra: list[str], *options: str) -> subprocess.
 
 
 def rows(out: Path) -> list[dict]:
-    return [
-        {
-            k: v
-            for k, v in json.loads(line).items()
-            if not k.endswith(TIMING_UNITS) and k not in TIMING_RATIOS and k not in PER_PROCESS
-        }
-        for line in (out / "metrics.jsonl").read_text().splitlines()
-    ]
+    """The run's metrics rows, timings and per-process counters left out (metrics.comparable)."""
+    return [comparable(json.loads(line)) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def check_composes(tmp_path: Path, shards: Path, extra: list[str]) -> list[dict]:

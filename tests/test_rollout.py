@@ -2,7 +2,7 @@ import torch
 
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.torch_engine import TorchRolloutEngine, target_probs
-from loomrl.platform.trajectory.batch import Trajectory, collate
+from loomrl.platform.trajectory.batch import collate, rollout_trajectories
 
 
 def test_rollout_logprobs_equal_a_plain_forward(model, samples):
@@ -13,19 +13,7 @@ def test_rollout_logprobs_equal_a_plain_forward(model, samples):
         prompts, SamplingParams(n=3, temperature=0.8, max_new_tokens=10), torch.Generator().manual_seed(0)
     )
     assert len(res.rollouts) == 9 and res.forwards >= 2
-    trajs = [
-        Trajectory(
-            prompts[r.prompt_index].id,
-            r.prompt_index,
-            prompts[r.prompt_index].ids,
-            r.completion_ids,
-            prompts[r.prompt_index].media,
-            r.logprobs,
-            0.0,
-            0,
-        )
-        for r in res.rollouts
-    ]
+    trajs = rollout_trajectories(prompts, res.rollouts)
     mb = collate(trajs, model.pad_token_id)
     with torch.no_grad():
         logp, _ = model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature=0.8)

@@ -20,8 +20,6 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-TIMING_UNITS = ("_s", "_us")
-TIMING_RATIOS = ("trainer_idle_frac", "drafting_speedup")
 COMMON = [
     "training.warmup.steps=0",
     "logging.tensorboard=false",
@@ -88,27 +86,13 @@ MATRIX = {  # --matrix: the composition matrix of tests/test_compose.py
         ],
     ),
 }
-PER_PROCESS = (
-    "transport_bytes_sent",
-    "transport_bytes_received",
-    "media_bytes_sent_to_workers",
-    "media_bytes_naive_to_workers",
-    "vllm_sync_logp_diff",
-)  # counters of one process, as test_compose
 
 
 def rows(folder: Path) -> list[dict]:
-    out = []
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        out.append(
-            {
-                k: v
-                for k, v in row.items()
-                if not k.endswith(TIMING_UNITS) and k not in TIMING_RATIOS and k not in PER_PROCESS
-            }
-        )
-    return out
+    """The run's metrics rows without timings and per-process counters (loomrl's metrics.comparable)."""
+    from loomrl.platform.metrics import comparable
+
+    return [comparable(json.loads(line)) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def run(checkout: Path, recipe: str, overrides: list[str], out: Path, shards: Path, steps: int) -> list[dict]:

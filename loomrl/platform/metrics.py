@@ -7,6 +7,25 @@ import json
 import logging
 from pathlib import Path
 
+# What two runs of one seed may differ in, and comparisons of their rows leave out: timings (seconds
+# and microseconds by their unit suffix: the phase timers are named `<phase>_s`; by name the two
+# ratios of timings) and counters of one process (a resumed run's process starts them at 0).
+# Every other field, algorithm statistics such as clip_frac included, must be equal.
+TIMING_UNITS = ("_s", "_us")
+TIMING_RATIOS = ("trainer_idle_frac", "drafting_speedup")
+PER_PROCESS = (
+    "transport_bytes_sent",
+    "transport_bytes_received",
+    "media_bytes_sent_to_workers",
+    "media_bytes_naive_to_workers",
+    "vllm_sync_logp_diff",
+)
+
+
+def comparable(row: dict) -> dict:
+    """A metrics row without its timings and per-process counters (see above)."""
+    return {k: v for k, v in row.items() if not k.endswith(TIMING_UNITS) and k not in TIMING_RATIOS + PER_PROCESS}
+
 
 class MetricsLog:
     def __init__(self, out: Path, filename: str = "metrics.jsonl", tensorboard: bool = True, prefix: str = ""):

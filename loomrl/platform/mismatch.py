@@ -15,8 +15,7 @@ from typing import Optional
 import torch
 
 from loomrl.platform.backbone.rounding import SETTINGS, Regions
-from loomrl.platform.rollout.base import Prompt, Rollout
-from loomrl.platform.trajectory.batch import Trajectory, micro_batches
+from loomrl.platform.trajectory.batch import Trajectory, micro_batches, rollout_trajectories
 
 DTYPE = torch.bfloat16
 MICRO_BATCH = 16
@@ -33,20 +32,7 @@ def low_precision_copy(model, regions: Regions, dtype: torch.dtype = DTYPE):
     return m
 
 
-def trajectories(prompts: list[Prompt], rollouts: list[Rollout]) -> list[Trajectory]:
-    return [
-        Trajectory(
-            prompts[r.prompt_index].id,
-            r.prompt_index,
-            prompts[r.prompt_index].ids,
-            r.completion_ids,
-            prompts[r.prompt_index].media,
-            r.logprobs,
-            0.0,
-            0,
-        )
-        for r in rollouts
-    ]
+trajectories = rollout_trajectories  # the engine's rollouts, to score with the trainer's forward
 
 
 def completion_logprobs(logp: torch.Tensor, mb) -> list[list[float]]:

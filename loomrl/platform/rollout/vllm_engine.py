@@ -586,22 +586,10 @@ def logprob_gap(
     """Generate with `engine`, recompute the same tokens with the trainer's forward of `model`:
     (mean |rollout - trainer| log-prob per token, max, tokens). The on-policy check used
     by the tests, the recipe's vLLM health check and `loomrl doctor`."""
-    from loomrl.platform.trajectory.batch import Trajectory, collate
+    from loomrl.platform.trajectory.batch import collate, rollout_trajectories
 
     res = engine.generate(prompts, params, generator)
-    trajs = [
-        Trajectory(
-            prompts[r.prompt_index].id,
-            r.prompt_index,
-            prompts[r.prompt_index].ids,
-            r.completion_ids,
-            prompts[r.prompt_index].media,
-            r.logprobs,
-            0.0,
-            0,
-        )
-        for r in res.rollouts
-    ]
+    trajs = rollout_trajectories(prompts, res.rollouts)
     mb = collate(trajs, model.pad_token_id, model.device)
     was_training = model.training
     model.eval()

@@ -26,6 +26,24 @@ class Trajectory:
     reward_parts: dict = field(default_factory=dict)  # reward source name -> its score
 
 
+def rollout_trajectories(prompts: list, rollouts: list) -> list[Trajectory]:
+    """Rollouts of `prompts` (rollout engine output) as trajectories to score with the trainer's
+    forward: no reward, policy version 0 (the on-policy checks and the doctor)."""
+    return [
+        Trajectory(
+            prompts[r.prompt_index].id,
+            r.prompt_index,
+            prompts[r.prompt_index].ids,
+            r.completion_ids,
+            prompts[r.prompt_index].media,
+            r.logprobs,
+            0.0,
+            0,
+        )
+        for r in rollouts
+    ]
+
+
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [B, T] prompt + completion, right-padded
