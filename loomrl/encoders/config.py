@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from loomrl.config.schema import ranged
 
+HOP = 160  # samples between mel frames (10 ms at 16 kHz)
+
 
 @dataclass
 class VisionConfig:
@@ -67,3 +69,9 @@ class EncoderConfig:
     dedup: bool = True
     """Encode each distinct medium once per mini-batch and route its gradient from
     every micro-batch that uses it (false: encode every copy, the naive path)."""
+
+
+def num_frames(cfg: AudioConfig) -> int:
+    """Mel frames per clip (even: the encoder's second conv has stride 2)."""
+    frames = int(round(cfg.clip_seconds * cfg.sample_rate / HOP))
+    return frames + frames % 2

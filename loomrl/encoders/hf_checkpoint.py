@@ -6,10 +6,11 @@ Qwen2-VL / Qwen2.5-VL / Qwen2-Audio model. Only the tower's tensors are read
 model's), into transformers' own tower classes, so parameter names are the
 checkpoint's. Nothing is downloaded.
 
-Which towers a checkpoint has is its model type's (`CHECKPOINT_TOWERS`): Qwen2-VL and
-Qwen2.5-VL a vision tower, Qwen2-Audio an audio tower + projector, Qwen2 none. A policy
-started from it builds exactly those (`vision_tower_of` / `audio_tower_of`, from config.json,
-the checkpoint's own classes), so it has the checkpoint's parameters and no others.
+Which towers a checkpoint has is its model type's (`base.checkpoint_towers`, from each
+modality's `checkpoint_types`): Qwen2-VL and Qwen2.5-VL a vision tower, Qwen2-Audio an audio
+tower + projector, Qwen2 none. A policy started from it builds exactly those (`vision_tower_of` /
+`audio_tower_of`, from config.json, the checkpoint's own classes), so it has the checkpoint's
+parameters and no others.
 """
 
 from __future__ import annotations
@@ -21,18 +22,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from loomrl.encoders.config import num_frames
+
 # Where each model family keeps its tower: the hub layout first, then the nested
 # `model.` layout some transformers versions write.
 VISION_PREFIXES = ("visual.", "model.visual.")
 AUDIO_PREFIXES = ("audio_tower.", "model.audio_tower.")
 PROJECTOR_PREFIXES = ("multi_modal_projector.linear.", "model.multi_modal_projector.linear.")
-# model_type -> the media its towers read ("image": vision tower, "audio": audio tower + projector)
-CHECKPOINT_TOWERS: dict[str, tuple[str, ...]] = {
-    "qwen2": (),
-    "qwen2_vl": ("image",),
-    "qwen2_5_vl": ("image",),
-    "qwen2_audio": ("audio",),
-}
 # model_type -> the vision_config model types its tower class builds (transformers 5 writes the
 # second; older configs may carry the first or none)
 VISION_KINDS = {"qwen2_vl": ("qwen2_vl", "qwen2_vl_vision"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_vision")}
@@ -91,14 +87,6 @@ def _load_into(
     if dtype is None:
         dtype = next(iter(tensors.values())).dtype
     return module.to(dtype).eval()
-
-
-def checkpoint_towers(hf_config: dict, where: str = "config.json") -> tuple[str, ...]:
-    """The media a checkpoint's towers read, by its config.json: ("image",), ("audio",) or ()."""
-    model_type = hf_config.get("model_type")
-    if model_type not in CHECKPOINT_TOWERS:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(CHECKPOINT_TOWERS)})")
-    return CHECKPOINT_TOWERS[model_type]
 
 
 def _vision_spec(hf_config: dict, where: str) -> tuple[type, Any]:
@@ -206,8 +194,6 @@ def attach_towers(model, vision_folder: Optional[str | Path] = None, audio_folde
         )
     if audio_folder is not None:
         from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
-
-        from loomrl.encoders.audio import num_frames
 
         audio_cfg, width = _audio_spec(read_config(audio_folder), f"{audio_folder}/config.json")
         if (

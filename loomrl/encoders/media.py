@@ -16,8 +16,6 @@ from typing import Optional
 import numpy as np
 import torch
 
-from loomrl.platform.backbone.config import ModelConfig
-
 
 @dataclass
 class Medium:
@@ -146,20 +144,3 @@ def decode_audio(data: bytes, sample_rate: int, max_seconds: float = MAX_AUDIO_S
     if wave.size == 0:
         raise ValueError("empty audio clip")
     return resample(wave, sr, sample_rate)
-
-
-def load_medium(kind: str, data: bytes, cfg: ModelConfig) -> Medium:
-    """Decode and preprocess stored bytes into a Medium."""
-    if kind == "image":
-        from loomrl.encoders.vision import preprocess_image, preprocess_settings
-
-        patches, grid = preprocess_image(decode_image(data), cfg.vision)
-        return Medium("image", content_hash(data), patches, grid, settings_fingerprint(preprocess_settings(cfg.vision)))
-    if kind == "audio":
-        from loomrl.encoders.audio import log_mel, preprocess_settings
-
-        # Clips are cut to clip_seconds; one over the readers' limit is refused before decoding.
-        wave = decode_audio(data, cfg.audio.sample_rate, max(MAX_AUDIO_SECONDS, cfg.audio.clip_seconds))
-        features = log_mel(wave, cfg.audio)
-        return Medium("audio", content_hash(data), features, None, settings_fingerprint(preprocess_settings(cfg.audio)))
-    raise ValueError(f"unknown medium kind {kind!r}")

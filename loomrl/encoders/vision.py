@@ -10,12 +10,20 @@ are contiguous. Returns (patches [N, C*T*P*P], grid_thw [3]).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 from PIL import Image
+from torch import nn
 
+from loomrl.encoders.base import MediaTokens, Modality, register
 from loomrl.encoders.config import VisionConfig
+from loomrl.encoders.hf_checkpoint import vision_tower_of
+from loomrl.encoders.media import Medium, content_hash, decode_image, settings_fingerprint
+
+if TYPE_CHECKING:
+    from loomrl.platform.backbone.config import ModelConfig
 
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
 CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
@@ -99,3 +107,55 @@ def encode_images(tower, patches: torch.Tensor, grids: torch.Tensor) -> torch.Te
     """Merged image tokens [sum(tokens), out_dim] for concatenated patches (Qwen2-VL and
     Qwen2.5-VL towers alike)."""
     return tower(patches.to(tower.dtype), grid_thw=grids).pooler_output
+
+
+@register("image")
+class ImageModality(Modality):
+    """Images: `<image>` in prompts, `images` in manifests; the Qwen2-VL / Qwen2.5-VL vision
+    tower (the policy's `visual`, with its merger, whose output is already the backbone width)."""
+
+    order, marker, manifest_keys, file_prefix = 0, "<image>", ("images", "image"), "img"
+    tower_name, tower_attrs = "vision", ("visual",)
+    checkpoint_types = ("qwen2_vl", "qwen2_5_vl")
+
+    @classmethod
+    def load(cls, data: bytes, cfg: ModelConfig) -> Medium:
+        patches, grid = preprocess_image(decode_image(data), cfg.vision)
+        return Medium("image", content_hash(data), patches, grid, settings_fingerprint(preprocess_settings(cfg.vision)))
+
+    @classmethod
+    def num_tokens(cls, medium: Medium, cfg: ModelConfig) -> int:
+        return num_image_tokens(medium.grid, cfg.vision)
+
+    @classmethod
+    def build_demo(cls, model: nn.Module, cfg: ModelConfig) -> None:
+        model.visual = build_vision_tower(cfg.vision, cfg.hidden_size, cfg.init_std)
+
+    @classmethod
+    def build_from_checkpoint(cls, model: nn.Module, hf_config: dict, where: str) -> None:
+        model.visual = vision_tower_of(hf_config, where)
+
+    @classmethod
+    def parameter_parts(cls, model: nn.Module) -> dict[str, list[nn.Parameter]]:
+        if model.visual is None:
+            return {}
+        merger = list(model.visual.merger.parameters())
+        return {"vision": [p for p in model.visual.parameters() if not any(p is q for q in merger)], "merger": merger}
+
+    @classmethod
+    def batch(cls, media: list[Medium]) -> tuple[torch.Tensor, ...]:
+        return torch.cat([m.features for m in media]), torch.stack([m.grid for m in media])
+
+    @classmethod
+    def encode(cls, tower: nn.Module, inputs: tuple, media: list[Medium], cfg: ModelConfig) -> list[torch.Tensor]:
+        return list(encode_images(tower, *inputs).split([cls.num_tokens(m, cfg) for m in media]))
+
+    @classmethod
+    def checkpoint_tokens(cls, tokenizer, hf_config: dict, checked) -> Optional[MediaTokens]:
+        if "image_token_id" not in hf_config:
+            return None
+        return MediaTokens(
+            checked("image_token_id", hf_config["image_token_id"]),
+            tuple(checked(k, hf_config[k]) for k in ("vision_start_token_id",) if k in hf_config),
+            tuple(checked(k, hf_config[k]) for k in ("vision_end_token_id",) if k in hf_config),
+        )

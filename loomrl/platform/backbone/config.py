@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from loomrl.config.schema import RecipeError, ranged
-from loomrl.encoders.config import AudioConfig, EncoderConfig, VisionConfig
+from loomrl.encoders.config import AudioConfig, EncoderConfig, VisionConfig, num_frames
 
 
 @dataclass
@@ -154,8 +154,7 @@ def validate_model(m: ModelConfig) -> None:
     au = m.audio
     if au.d_model % au.num_heads:
         raise RecipeError(f"model.audio.num_heads: d_model {au.d_model} must divide by num_heads {au.num_heads}")
-    frames = round(au.clip_seconds * au.sample_rate / 160)  # as loomrl.encoders.audio.num_frames (10 ms hop)
-    if (frames + frames % 2) // 4 < 1:
+    if num_frames(au) // 4 < 1:
         raise RecipeError(
             f"model.audio.clip_seconds: {au.clip_seconds} s at {au.sample_rate} Hz is shorter "
             f"than one audio token (4 mel frames of 10 ms)"

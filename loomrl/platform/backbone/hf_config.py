@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from loomrl.config.schema import RecipeError, convert, cut, is_file, show
+from loomrl.encoders.base import checkpoint_towers
 from loomrl.platform.backbone.config import ModelConfig
 
 Row = tuple[str, Any, Path, str, bool]
@@ -46,7 +47,6 @@ def checkpoint_settings(folder: str, sample_rate: int = 16000) -> list[Row]:
     `vision.min_pixels` / `max_pixels`, not strict (the recipe may resize images otherwise; the
     tower takes any size). A key config.json leaves out has transformers' default. RecipeError
     naming the file when a file cannot be read, or describes a model loomrl cannot build."""
-    from loomrl.encoders.hf_checkpoint import CHECKPOINT_TOWERS
     from loomrl.platform.backbone.hf_io import decoder_config
 
     path = Path(folder) / "config.json"
@@ -69,10 +69,11 @@ def checkpoint_settings(folder: str, sample_rate: int = 16000) -> list[Row]:
             ("tie_word_embeddings", "tie_word_embeddings", d.tie_word_embeddings),
         )
     ]
-    model_type = cfg["model_type"]  # decoder_config accepted it: a key of CHECKPOINT_TOWERS
-    if "image" in CHECKPOINT_TOWERS[model_type]:
+    model_type = cfg["model_type"]  # decoder_config accepted it
+    towers = checkpoint_towers(cfg, str(path))
+    if "image" in towers:
         rows += vision_rows(Path(folder), cfg, model_type, d.hidden_size)
-    if "audio" in CHECKPOINT_TOWERS[model_type]:
+    if "audio" in towers:
         rows += audio_rows(path, section(cfg, "audio_config", path), sample_rate)
     return rows
 
@@ -123,7 +124,7 @@ def vision_rows(folder: Path, cfg: dict, model_type: str, hidden_size: int) -> l
 
 def audio_rows(path: Path, ac: dict, sample_rate: int) -> list[Row]:
     """The audio tower's sizes (Qwen2-Audio config.json's audio_config); its positions fix the clip length."""
-    from loomrl.encoders.audio import HOP
+    from loomrl.encoders.config import HOP
 
     rows: list[Row] = []
     # transformers 5.19's Qwen2AudioEncoderConfig defaults for a key left out

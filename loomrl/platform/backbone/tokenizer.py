@@ -12,11 +12,14 @@ placeholders (`image_token_id`), `<|vision_end|>`; Qwen2-Audio writes a clip as
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
-IMAGE_MARKER = "<image>"
-AUDIO_MARKER = "<audio>"
-SPECIALS = ["<pad>", "<eos>", "<unk>", IMAGE_MARKER, AUDIO_MARKER]
+from loomrl.encoders.base import TEXT_CHECKPOINTS, MediaTokens, modalities, token_id
+
+# The demo tokenizer's vocabulary starts with these (their ids are fixed: a new modality does
+# not shift the demo's words; the demo reads images and audio)
+MEDIA_SPECIALS = ["<image>", "<audio>"]
+SPECIALS = ["<pad>", "<eos>", "<unk>", *MEDIA_SPECIALS]
 
 
 def build_word_tokenizer(words: list[str]):
@@ -34,7 +37,7 @@ def build_word_tokenizer(words: list[str]):
         pad_token="<pad>",
         eos_token="<eos>",
         unk_token="<unk>",
-        additional_special_tokens=[IMAGE_MARKER, AUDIO_MARKER],
+        additional_special_tokens=MEDIA_SPECIALS,
     )
 
 
@@ -48,23 +51,10 @@ def load_tokenizer(spec: str):
     return AutoTokenizer.from_pretrained(Path(spec), local_files_only=True)
 
 
-class MediaTokens(NamedTuple):
-    """What one medium becomes in a prompt: `before`, placeholder x its token count, `after`."""
-
-    placeholder: int
-    before: tuple[int, ...] = ()
-    after: tuple[int, ...] = ()
-
-
-def _token_id(tokenizer, token: str) -> Optional[int]:
-    i = tokenizer.convert_tokens_to_ids(token)
-    return None if i is None or (i == tokenizer.unk_token_id and token != tokenizer.unk_token) else i
-
-
 def media_layout(
     tokenizer, hf_config: Optional[dict] = None, where: str = "config.json"
 ) -> dict[str, Optional[MediaTokens]]:
-    """MediaTokens for "image" and "audio"; None for a medium the model cannot read.
+    """MediaTokens for each modality (encoders/base.py); None for a medium the model cannot read.
 
     hf_config: the checkpoint's config.json (model.init_from). Its `image_token_id`
     (+ `vision_start_token_id` / `vision_end_token_id`) or `audio_token_index` (+ the
@@ -78,29 +68,16 @@ def media_layout(
             raise ValueError(f"{where}: {key} = {i!r} is not a token of the tokenizer ({n} tokens)")
         return i
 
-    if hf_config is not None and hf_config.get("model_type") != "qwen2":
-        image = audio = None
-        if "image_token_id" in hf_config:
-            image = MediaTokens(
-                checked("image_token_id", hf_config["image_token_id"]),
-                tuple(checked(k, hf_config[k]) for k in ("vision_start_token_id",) if k in hf_config),
-                tuple(checked(k, hf_config[k]) for k in ("vision_end_token_id",) if k in hf_config),
-            )
-        if "audio_token_index" in hf_config:
-            bos, eos = _token_id(tokenizer, "<|audio_bos|>"), _token_id(tokenizer, "<|audio_eos|>")
-            audio = MediaTokens(
-                checked("audio_token_index", hf_config["audio_token_index"]),
-                () if bos is None else (bos,),
-                () if eos is None else (eos,),
-            )
-        return {"image": image, "audio": audio}
+    if hf_config is not None and hf_config.get("model_type") not in TEXT_CHECKPOINTS:
+        return {m.name: m.checkpoint_tokens(tokenizer, hf_config, checked) for m in modalities()}
     out: dict[str, Optional[MediaTokens]] = {}
-    for kind, marker in (("image", IMAGE_MARKER), ("audio", AUDIO_MARKER)):
-        i = _token_id(tokenizer, marker)
-        out[kind] = None if i is None else MediaTokens(i)
-    if out["image"] is None and out["audio"] is None:
+    for m in modalities():
+        i = token_id(tokenizer, m.marker)
+        out[m.name] = None if i is None else MediaTokens(i)
+    if not any(out.values()):
+        markers = [m.marker for m in modalities()]
         raise ValueError(
-            f"tokenizer has neither {IMAGE_MARKER} nor {AUDIO_MARKER} token, and model.init_from "
+            f"tokenizer has none of the tokens {', '.join(markers)}, and model.init_from "
             "names no checkpoint whose config.json gives the media tokens"
         )
     return out

@@ -41,16 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loomrl.encoders.audio import build_audio_tower, encode_audio, num_audio_tokens
+from loomrl.encoders.base import MODALITIES, Modality, checkpoint_towers, modalities, modality
 from loomrl.encoders.cache import EncodeStats, EncodingCache, Encodings, encode_distinct, encode_every_copy
-from loomrl.encoders.hf_checkpoint import audio_tower_of, checkpoint_towers, vision_tower_of
 from loomrl.encoders.media import Medium, settings_fingerprint
-from loomrl.encoders.vision import build_vision_tower, encode_images, num_image_tokens
 from loomrl.platform.backbone.config import DEFAULT_ROUNDING, ModelConfig
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, KVCache
 from loomrl.platform.backbone.mrope import rope_index
 from loomrl.platform.backbone.rounding import Regions
-from loomrl.platform.backbone.tokenizer import AUDIO_MARKER, IMAGE_MARKER, media_layout
+from loomrl.platform.backbone.tokenizer import media_layout
 from loomrl.platform.engines.config import ENCODER_PARTS, FREEZE_PARTS
 from loomrl.platform.placement import to_device, to_host
 
@@ -75,14 +73,10 @@ class VLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         where = f"{cfg.init_from}/config.json"
-        kinds = ("image", "audio") if hf_config is None else checkpoint_towers(hf_config, where)
+        kinds = [m.name for m in modalities()] if hf_config is None else checkpoint_towers(hf_config, where)
         layout = media_layout(tokenizer, hf_config, where) if kinds else {}
-        # kind -> MediaTokens | None
-        self.media_tokens_of = {kind: layout.get(kind) if kind in kinds else None for kind in ("image", "audio")}
-        image, audio = self.media_tokens_of["image"], self.media_tokens_of["audio"]
-        # None: the model cannot read that medium (a prompt using it is refused)
-        self.image_token_id = image.placeholder if image else None
-        self.audio_token_id = audio.placeholder if audio else None
+        # kind -> MediaTokens | None (None: the model cannot read that medium; a prompt using it is refused)
+        self.media_tokens_of = {m.name: layout.get(m.name) if m.name in kinds else None for m in modalities()}
         self.pad_token_id = tokenizer.pad_token_id
         self.eos_token_id = tokenizer.eos_token_id
         vocab_size = len(tokenizer)
@@ -102,24 +96,20 @@ class VLM(nn.Module):
         banned = {
             self.pad_token_id,
             tokenizer.unk_token_id,
-            self.image_token_id,
-            self.audio_token_id,
+            *self.placeholder_ids(),
             *range(len(tokenizer), vocab_size),
         } - {self.eos_token_id}
         self.register_buffer(
             "banned_token_ids", torch.tensor(sorted(i for i in banned if i is not None)), persistent=False
         )
-        self.visual: Optional[nn.Module] = None
-        self.audio_tower: Optional[nn.Module] = None
-        self.audio_projector: Optional[nn.Linear] = None  # Qwen2-Audio's multi_modal_projector.linear
-        if hf_config is None:  # the demo: both towers, from the recipe's sizes
-            self.visual = build_vision_tower(cfg.vision, cfg.hidden_size, cfg.init_std)
-            self.audio_tower = build_audio_tower(cfg.audio, cfg.init_std)
-            self.audio_projector = nn.Linear(cfg.audio.d_model, cfg.hidden_size)
-        elif "image" in kinds:
-            self.visual = vision_tower_of(hf_config, where)
-        elif "audio" in kinds:
-            self.audio_tower, self.audio_projector = audio_tower_of(hf_config, where)
+        # Each modality's modules (`visual`; `audio_tower`, `audio_projector`): None when absent.
+        for m in modalities():
+            for attr in m.tower_attrs:
+                setattr(self, attr, None)
+            if hf_config is None:  # the demo: every tower, from the recipe's sizes
+                m.build_demo(self, cfg)
+            elif m.name in kinds:
+                m.build_from_checkpoint(self, hf_config, where)
         self.language_model = Decoder(
             DecoderConfig(
                 vocab_size=vocab_size,
@@ -145,14 +135,11 @@ class VLM(nn.Module):
                 ),
             )
         )
-        for m in [
-            *([self.audio_projector] if self.audio_projector is not None else []),
-            *self.language_model.modules(),
-        ]:
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=cfg.init_std)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
+        for module in [*(x for m in modalities() for x in m.reinitialised(self)), *self.language_model.modules()]:
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=cfg.init_std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         self.frozen: set[str] = set()  # parts frozen by name (freeze); apply_frozen re-applies them
         self.apply_frozen()
         self.encoding_cache = EncodingCache(cfg.encoders.cache_size)
@@ -175,14 +162,8 @@ class VLM(nn.Module):
         audio_projector, language_model (decoder layers and final norm), embeddings (input
         embedding and LM head). Every parameter is in exactly one part."""
         parts: dict[str, list[nn.Parameter]] = {}
-        if self.visual is not None:
-            merger = list(self.visual.merger.parameters())
-            parts["vision"] = [p for p in self.visual.parameters() if not any(p is q for q in merger)]
-            parts["merger"] = merger
-        if self.audio_tower is not None:
-            parts["audio"] = list(self.audio_tower.parameters())
-        if self.audio_projector is not None:
-            parts["audio_projector"] = list(self.audio_projector.parameters())
+        for m in modalities():
+            parts.update(m.parameter_parts(self))
         embeddings = self.language_model.embedding_parameters()
         parts["language_model"] = [p for p in self.language_model.parameters() if not any(p is q for q in embeddings)]
         parts["embeddings"] = embeddings
@@ -247,18 +228,19 @@ class VLM(nn.Module):
         gradient checkpointing, non-reentrant; call after freezing). Only forwards in train mode
         with grad enabled recompute; a frozen tower runs in eval mode and never does."""
         self.language_model.activation_checkpointing = on
-        parts = self.parameter_parts()
-        for tower, part in ((self.visual, "vision"), (self.audio_tower, "audio")):
+        for m in modalities():
+            tower = m.tower(self)
             if tower is None:
                 continue
-            if on and any(p.requires_grad for p in parts[part]):
+            own = next(iter(m.parameter_parts(self).values()))  # the tower's own part (vision less its merger)
+            if on and any(p.requires_grad for p in own):
                 tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             elif tower.gradient_checkpointing:
                 tower.gradient_checkpointing_disable()
 
     def tower_modules(self) -> list[nn.Module]:
         """The towers this model has (vision, audio; an absent one is left out)."""
-        return [t for t in (self.visual, self.audio_tower) if t is not None]
+        return [t for t in (m.tower(self) for m in modalities()) if t is not None]
 
     @property
     def device(self) -> torch.device:
@@ -267,13 +249,28 @@ class VLM(nn.Module):
 
     def tower_of(self, kind: str) -> nn.Module:
         """The tower that encodes `kind`; a ValueError naming the checkpoint when the model has none."""
-        tower = self.visual if kind == "image" else self.audio_tower if kind == "audio" else None
+        m = modality(kind)
+        tower = m.tower(self)
         if tower is None:
             raise ValueError(
-                f"the model has no {'vision' if kind == 'image' else kind} tower for {kind!r} media "
-                f"(model.init_from={self.cfg.init_from!r})"
+                f"the model has no {m.tower_name} tower for {kind!r} media (model.init_from={self.cfg.init_from!r})"
             )
         return tower
+
+    def placeholder_ids(self) -> list[int]:
+        """The placeholder token of each medium the model reads."""
+        return [t.placeholder for t in self.media_tokens_of.values() if t is not None]
+
+    @property
+    def image_token_id(self) -> Optional[int]:
+        """The image placeholder (M-RoPE places image tokens by it); None without a vision tower."""
+        tokens = self.media_tokens_of.get("image")
+        return tokens.placeholder if tokens else None
+
+    @property
+    def audio_token_id(self) -> Optional[int]:
+        tokens = self.media_tokens_of.get("audio")
+        return tokens.placeholder if tokens else None
 
     def set_stop_token(self, token_id: int) -> None:
         """Completions end at `token_id` (a chat template's end-of-turn) instead of the tokenizer's
@@ -287,16 +284,15 @@ class VLM(nn.Module):
     # ------------------------------------------------------------------ inputs
 
     def media_tokens(self, m: Medium) -> int:
-        if m.kind == "image":
-            return num_image_tokens(m.grid, self.cfg.vision)
-        return num_audio_tokens(self.cfg.audio)
+        return modality(m.kind).num_tokens(m, self.cfg)
 
     def prompt_ids(self, tokenizer, text: str, media: list[Medium]) -> list[int]:
         """Token ids of a prompt with each `<image>` / `<audio>` marker replaced by the model's
         tokens for that medium, placeholders repeated to the medium's token count. The text
         between markers is tokenized piece by piece, as around any special token."""
-        pieces = re.split(f"({re.escape(IMAGE_MARKER)}|{re.escape(AUDIO_MARKER)})", text)
-        kinds = ["image" if p == IMAGE_MARKER else "audio" for p in pieces[1::2]]
+        by_marker = {m.marker: m.name for m in modalities()}
+        pieces = re.split("(" + "|".join(map(re.escape, by_marker)) + ")", text)
+        kinds = [by_marker[p] for p in pieces[1::2]]
         if kinds != [m.kind for m in media]:
             raise ValueError(f"prompt markers {kinds} do not match its media {[m.kind for m in media]}")
         for kind in dict.fromkeys(kinds):
@@ -319,35 +315,28 @@ class VLM(nn.Module):
     def towers(self, media: list[Medium]) -> list[torch.Tensor]:
         """Raw tower outputs, one per item of `media` (images in one vision call, clips in
         one audio call): [tokens, hidden] for images, [tokens, audio d_model] for clips."""
-        if any(m.kind not in ("image", "audio") for m in media):
+        if any(m.kind not in MODALITIES for m in media):
             raise ValueError(f"unknown medium kinds {sorted({m.kind for m in media})}")
         out: list[torch.Tensor | None] = [None] * len(media)
-        dev = self.device
-        images = [i for i, m in enumerate(media) if m.kind == "image"]
-        if images:
-            enc = encode_images(
-                self.tower_of("image"),
-                to_device(torch.cat([media[i].features for i in images]), dev),
-                to_device(torch.stack([media[i].grid for i in images]), dev),
-            )
-            for i, e in zip(images, enc.split([self.media_tokens(media[i]) for i in images])):
-                out[i] = e
-        clips = [i for i, m in enumerate(media) if m.kind == "audio"]
-        if clips:
-            enc = encode_audio(self.tower_of("audio"), to_device(torch.stack([media[i].features for i in clips]), dev))
-            for i, e in zip(clips, enc):
+        for m, where in self._by_modality(media):
+            items = [media[i] for i in where]
+            inputs = tuple(to_device(t, self.device) for t in m.batch(items))
+            for i, e in zip(where, m.encode(self.tower_of(m.name), inputs, items, self.cfg)):
                 out[i] = e
         return out
+
+    @staticmethod
+    def _by_modality(media: list[Medium]) -> list[tuple[type[Modality], list[int]]]:
+        """(modality, the indices of its items in `media`) for each modality `media` has, in order."""
+        out = [(m, [i for i, x in enumerate(media) if x.kind == m.name]) for m in modalities()]
+        return [(m, where) for m, where in out if where]
 
     def project(self, media: list[Medium], raw: list[torch.Tensor]) -> list[torch.Tensor]:
         """Tower outputs -> backbone width. Images: the vision merger already did it; clips:
         Qwen2-Audio's projector (trainable even when the towers are frozen, so never cached)."""
         out = list(raw)
-        clips = [i for i, m in enumerate(media) if m.kind == "audio"]
-        if clips:
-            if self.audio_projector is None:
-                raise ValueError(f"the model has no audio projector (model.init_from={self.cfg.init_from!r})")
-            for i, e in zip(clips, self.audio_projector(torch.stack([raw[i] for i in clips]))):
+        for m, where in self._by_modality(media):
+            for i, e in zip(where, m.project(self, [raw[i] for i in where])):
                 out[i] = e
         return out
 
@@ -421,7 +410,7 @@ class VLM(nn.Module):
 
     def is_placeholder(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Where input_ids holds a media placeholder token (bool, same shape)."""
-        ids = [i for i in (self.image_token_id, self.audio_token_id) if i is not None]
+        ids = self.placeholder_ids()
         return torch.isin(input_ids, torch.tensor(ids, dtype=input_ids.dtype, device=input_ids.device))
 
     # ------------------------------------------------------------------ forward
