@@ -1,6 +1,7 @@
 """Registries instead of name chains: a part is found by the name a recipe gives it, its traits
 decide what the recipe may combine it with, and a new part is one file and one registration.
-RLOO is the worked example (docs/extending.md), checked by hand."""
+RLOO is the worked example (docs/extending.md), checked by hand; a rollout engine and a reward are
+each registered in a test."""
 
 from types import SimpleNamespace
 
@@ -13,6 +14,8 @@ from loomrl.platform.algorithms import ALGORITHMS
 from loomrl.platform.algorithms.advantages import assign_advantages
 from loomrl.platform.algorithms.rloo import rloo_advantages
 from loomrl.platform.engines import TRAINING_ENGINES
+from loomrl.platform.rewards import REWARDS, build_reward
+from loomrl.platform.rewards.sources import build_sources
 from loomrl.platform.rollout import ROLLOUT_ENGINES, build_rollout_engine
 
 DEMO = "recipes/demo.yaml"
@@ -89,3 +92,43 @@ def test_a_new_rollout_engine_is_one_registration(echo_engine):
     engine = build_rollout_engine(recipe, model="the policy")
     assert isinstance(engine, echo_engine) and (engine.model, engine.n) == ("the policy", 3)
     assert "'echo'" in [row for row in R.field_docs() if row[0] == "rollout.engine"][0][1]  # listed by `loomrl recipe`
+
+
+@pytest.fixture()
+def short_answer():
+    """A reward added by one registration (what docs/extending.md shows), removed after."""
+
+    @REWARDS.register("test_short_answer", params=("tolerance",))
+    def short_answer(completion: str, sample: dict, tolerance: float = 1e-4) -> float:
+        return 1.0 if len(completion) <= tolerance else 0.0
+
+    yield short_answer
+    REWARDS._entries.pop("test_short_answer")
+
+
+def test_a_new_reward_is_one_registration(short_answer, tmp_path):
+    recipe = R.load_recipe(DEMO, ["algorithm.reward=test_short_answer"])  # validated: resolve_callable found it
+    (source,) = build_sources(recipe.algorithm)
+    assert source.name == "test_short_answer"
+    assert source.score(["", "abc"], [{"id": "a"}, {"id": "b"}]) == [1.0, 0.0]  # tolerance 1e-4 by default
+    # its `params` trait: a reward source's tolerance reaches it, through the recipe and build_reward
+    path = tmp_path / "r.yaml"
+    path.write_text("algorithm: {rewards: [{fn: test_short_answer, tolerance: 3}]}")
+    (source,) = build_sources(R.load_recipe(path, files=False).algorithm)
+    assert source.score(["abc", "abcd"], [{"id": "a"}, {"id": "b"}]) == [1.0, 0.0]
+    fn = build_reward("test_short_answer", R.RewardSourceConfig(fn="test_short_answer", tolerance=3))
+    assert [fn(c, {"id": "a"}) for c in ("abc", "abcd")] == [1.0, 0.0]
+    path.write_text("algorithm: {rewards: [{fn: test_short_answer, pattern: x}]}")
+    with pytest.raises(RecipeError, match=r"algorithm.rewards\[0\].pattern: only the regex reward takes a pattern"):
+        R.load_recipe(path, files=False)
+    # an unknown name lists the registered ones, the new one included
+    with pytest.raises(
+        RecipeError,
+        match=r"algorithm.reward: 'no_such_reward' is neither a registered reward \(choice, exact, exact_match, "
+        r"iou, math, numeric, regex, slot_match, test_short_answer\) nor module:function",
+    ):
+        R.load_recipe(DEMO, ["algorithm.reward=no_such_reward"])
+    with pytest.raises(
+        RecipeError, match=r"algorithm.reward: unknown reward 'no_such_reward'; registered: .*test_short"
+    ):
+        build_reward("no_such_reward")

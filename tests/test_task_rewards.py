@@ -10,7 +10,7 @@ import time
 import pytest
 
 from loomrl.platform.recipe import AlgorithmConfig, RecipeError, RewardSourceConfig, load_recipe
-from loomrl.platform.rewards import REGISTRY, build_reward
+from loomrl.platform.rewards import REWARDS, build_reward
 from loomrl.platform.rewards.sources import build_sources
 from loomrl.platform.rewards.tasks import choice, exact, iou, math, numeric, regex
 
@@ -182,7 +182,7 @@ def test_no_completion_raises_and_every_reward_stays_in_range():
     samples = {"exact": S("paris"), "numeric": S("3"), "choice": S("B"), "math": S("x^2+1"), "iou": S("[0,0,10,10]")}
     t0 = time.perf_counter()
     for name, sample in samples.items():
-        fn = REGISTRY[name]
+        fn = REWARDS.get(name).obj
         for c in GARBAGE:
             v = fn(c, sample)
             assert isinstance(v, float) and 0.0 <= v <= 1.0, (name, c[:30])
@@ -202,7 +202,7 @@ def test_a_1mb_completion_is_capped_yet_its_final_answer_is_read():
 
 @pytest.mark.parametrize("name", ["exact", "numeric", "choice", "math", "iou"])
 def test_a_sample_without_an_answer_is_an_error_naming_it(name):
-    fn = REGISTRY[name]
+    fn = REWARDS.get(name).obj
     for sample in ({"id": "img-0042", "prompt": "q", "meta": {}}, S(None, "img-0042"), S("  ", "img-0042")):
         with pytest.raises(ValueError, match=f"reward '{name}': sample 'img-0042' has no answer"):
             fn("anything", sample)
@@ -219,7 +219,7 @@ def test_a_sample_without_an_answer_is_an_error_naming_it(name):
 )
 def test_an_unusable_answer_is_an_error_naming_the_sample(name, answer, needle):
     with pytest.raises(ValueError, match=f"sample 'q7'.*{re.escape(needle)}"):
-        REGISTRY[name]("B [0,0,1,1] 3", S(answer, "q7"))
+        REWARDS.get(name).obj("B [0,0,1,1] 3", S(answer, "q7"))
 
 
 # --------------------------------------------------------------------------- recipe

@@ -9,7 +9,7 @@ from typing import Literal, Optional
 
 from loomrl.config.schema import RecipeError, choice, cut, is_file, ranged, show
 from loomrl.platform.algorithms.base import ALGORITHMS
-from loomrl.platform.rewards.config import RewardSourceConfig, resolve_callable
+from loomrl.platform.rewards.config import RewardSourceConfig, check_parameters, resolve_callable
 
 
 @dataclass
@@ -101,8 +101,6 @@ class AlgorithmConfig:
 def validate_algorithm(a: AlgorithmConfig) -> None:
     """Checks of the reward sources (each field's range, the importance band's included, is checked
     at load)."""
-    import re
-
     from loomrl.platform.rewards.remote import check_url
 
     names = set()
@@ -112,19 +110,7 @@ def validate_algorithm(a: AlgorithmConfig) -> None:
             raise RecipeError(
                 f"{key}: set exactly one of fn (a callable), model (a reward-model folder) and url (a reward server)"
             )
-        if r.pattern is not None:
-            if r.fn != "regex":
-                raise RecipeError(f"{key}.pattern: only the regex reward takes a pattern (fn: regex)")
-            try:
-                re.compile(r.pattern, re.DOTALL)
-            except (re.error, RecursionError, OverflowError, ValueError) as e:
-                raise RecipeError(
-                    f"{key}.pattern: {show(r.pattern)} is not a valid regular expression: {cut(str(e), 200)}"
-                ) from None
-        elif r.fn == "regex":
-            raise RecipeError(
-                f"{key}.pattern: fn: regex needs a pattern (the regular expression a completion must fully match)"
-            )
+        check_parameters(r, key)
         if r.fn is not None:
             resolve_callable(r.fn, f"{key}.fn", r)
         elif r.url is not None:

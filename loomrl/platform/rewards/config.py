@@ -1,14 +1,17 @@
-"""Settings of one reward source (`algorithm.rewards[i]`), and `resolve_callable`, which turns a reward
-name or `module:function` into the callable."""
+"""Settings of one reward source (`algorithm.rewards[i]`); `check_parameters`, which checks a source's
+reward parameters against its reward's registry entry (`REWARDS`, base.py); and `resolve_callable`,
+which turns a reward name or `module:function` into the callable."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from loomrl.config.plugins import import_beside_recipe
 from loomrl.config.schema import RecipeError, cut, ranged, show
+from loomrl.platform.rewards.base import REWARDS, build_reward
 
 
 @dataclass
@@ -66,20 +69,44 @@ class RewardSourceConfig:
         return Path(self.model).resolve().name
 
 
+NEEDS = {"pattern": "the regular expression a completion must fully match"}
+"""What a required reward parameter is, as the message for a source without it says."""
+
+
+def check_parameters(source: RewardSourceConfig, key: str) -> None:
+    """The reward parameters of `source` (a callable's, `key` = algorithm.rewards[i]) against its
+    registry entry: a `pattern` only for a reward that takes one, and compiling; each parameter the
+    reward requires set. RecipeError naming `key`'s field otherwise."""
+    entry = REWARDS.get(source.fn) if source.fn in REWARDS else None
+    if source.pattern is not None:
+        if entry is None or "pattern" not in entry.trait("params", ()):
+            takers = [n for n in REWARDS.names() if "pattern" in REWARDS.get(n).trait("params", ())]
+            raise RecipeError(
+                f"{key}.pattern: only the {' / '.join(takers)} reward takes a pattern (fn: {' or '.join(takers)})"
+            )
+        try:
+            re.compile(source.pattern, re.DOTALL)
+        except (re.error, RecursionError, OverflowError, ValueError) as e:
+            raise RecipeError(
+                f"{key}.pattern: {show(source.pattern)} is not a valid regular expression: {cut(str(e), 200)}"
+            ) from None
+    for p in entry.trait("required", ()) if entry is not None else ():
+        if getattr(source, p, None) is None:
+            raise RecipeError(f"{key}.{p}: fn: {source.fn} needs a {p} ({NEEDS.get(p, 'a value')})")
+
+
 def resolve_callable(spec: str, key: str = "algorithm.reward", source: Optional[RewardSourceConfig] = None) -> Any:
     """A reward (or other) function from a registry name or `module:function`; errors name `key`.
     A registry reward gets its parameters (`tolerance`, `pattern`) from `source` (None: defaults).
     A module that is not importable is also looked for beside the recipe (`set_recipe_folder`)."""
-    from loomrl.platform.rewards import REGISTRY, build_reward
-
-    if spec in REGISTRY:
+    if spec in REWARDS:
         try:
             return build_reward(spec, source)
         except ValueError as e:  # a required parameter missing (`regex` without a pattern)
             raise RecipeError(f"{key}: {e}") from None
     if ":" not in spec:
         raise RecipeError(
-            f"{key}: {show(spec)} is neither a registered reward ({', '.join(sorted(REGISTRY))}) nor module:function"
+            f"{key}: {show(spec)} is neither a registered reward ({', '.join(REWARDS.names())}) nor module:function"
         )
     mod, fn = spec.split(":", 1)
     if not mod.strip() or mod.startswith(".") or not fn:

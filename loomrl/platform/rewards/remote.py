@@ -32,7 +32,7 @@ import time
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from loomrl.platform.rewards import RewardError
+from loomrl.platform.rewards.base import RewardError
 
 log = logging.getLogger("loomrl")
 

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from loomrl.platform.rewards import RewardError
+from loomrl.platform.rewards.base import RewardError
 from loomrl.platform.rewards.models import RewardModel
 from loomrl.platform.rewards.remote import RemoteReward
 
