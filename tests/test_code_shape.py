@@ -19,9 +19,6 @@ KNOWN_MODULES = {
     "loomrl/platform/trainer.py": 713,
 }
 KNOWN_FUNCTIONS = {
-    "loomrl/datasets/cli.py:cmd_make": 86,
-    "loomrl/datasets/manifest.py:parse_line": 145,
-    "loomrl/datasets/prepare.py:make_shards": 97,
     "loomrl/platform/backbone/vlm.py:__init__": 94,
     "loomrl/commands/plan.py:make_plan": 145,
     "loomrl/commands/bench_staleness.py:simulate": 118,

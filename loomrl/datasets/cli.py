@@ -14,7 +14,10 @@ import os
 import re
 import sys
 
-from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError
+from loomrl.datasets.files import NotRegularFile
+from loomrl.datasets.manifest import FIELD_KEYS, ReadOptions
+from loomrl.datasets.prepare import Limits, MakeResult, RejectionEcho, make_shards
+from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError, check_pattern, existing_shards
 
 _UNITS = {
     "": 1,
@@ -71,8 +74,6 @@ def positive_seconds(text: str) -> float:
 
 def field_mapping(text: str) -> tuple[str, str]:
     """'prompt=text' -> ('prompt', 'text'): `--field NAME=KEY`, NAME one of the manifest's fields."""
-    from loomrl.datasets.manifest import FIELD_KEYS
-
     name, eq, key = text.partition("=")
     name, key = name.strip(), key.strip()
     if not eq or not key:
@@ -99,52 +100,77 @@ def progress_wanted() -> bool:
 # --------------------------------------------------------------------------- make
 
 
-def cmd_make(args) -> int:
-    from loomrl.datasets.files import NotRegularFile
-    from loomrl.datasets.manifest import ReadOptions
-    from loomrl.datasets.prepare import Limits, RejectionEcho, make_shards
-    from loomrl.datasets.shards import check_pattern, existing_shards
+class Refused(Exception):
+    """`shards make` cannot start, or cannot write: the message is printed as `error: ...` and the exit code is 2."""
 
+
+def cmd_make(args) -> int:
     try:
-        check_pattern(args.out)
-    except ValueError as e:
-        print(f"error: --out: {e}", file=sys.stderr)
+        check_out(args.out)
+        options = read_options(args)
+        check_nothing_to_overwrite(args.out)
+        result = run_make(args, options)
+    except Refused as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.json:
+        print(json.dumps({**result.to_json(), "rejected_file": _rejected_path(args.out)}, indent=1))
+    else:
+        print(result.summary())
+        if result.rejected:
+            print(f"rejections listed in {_rejected_path(args.out)}")
+    if result.samples == 0:
+        print("error: no sample passed validation; nothing was written", file=sys.stderr)
+        return 1
+    if args.strict and result.rejected:
+        print(f"error: --strict: {len(result.rejected)} sample(s) rejected", file=sys.stderr)
+        return 1
+    return 0
+
+
+def check_out(pattern: str) -> None:
+    """--out is a shard pattern; Refused otherwise."""
+    try:
+        check_pattern(pattern)
+    except ValueError as e:
+        raise Refused(f"--out: {e}") from None
+
+
+def read_options(args) -> ReadOptions:
+    """How the manifest's lines are read: the --field mapping (each NAME once), --require-markers
+    and --allow-outside; Refused for a bad mapping."""
     mapping: dict[str, str] = {}
     for name, key in args.field:
         if name in mapping and mapping[name] != key:
-            print(f"error: --field: {name} given twice ({mapping[name]!r} and {key!r})", file=sys.stderr)
-            return 2
+            raise Refused(f"--field: {name} given twice ({mapping[name]!r} and {key!r})")
         mapping[name] = key
     try:
-        options = ReadOptions.with_fields(
-            mapping, require_markers=args.require_markers, allow_outside=args.allow_outside
-        )
+        return ReadOptions.with_fields(mapping, require_markers=args.require_markers, allow_outside=args.allow_outside)
     except ValueError as e:
-        print(f"error: --field: {e}", file=sys.stderr)
-        return 2
+        raise Refused(f"--field: {e}") from None
+
+
+def check_nothing_to_overwrite(pattern: str) -> None:
+    """No shard matches `pattern` yet and its folder has no rejected.jsonl; Refused otherwise."""
     try:
-        existing = existing_shards(args.out)
+        existing = existing_shards(pattern)
     except OSError as e:  # the target folder cannot be listed (no permission)
-        print(
-            f"error: --out: cannot look for existing shards in {e.filename or args.out}: {e.strerror or e}",
-            file=sys.stderr,
-        )
-        return 2
+        raise Refused(f"--out: cannot look for existing shards in {e.filename or pattern}: {e.strerror or e}") from None
     if existing:
-        print(
-            f"error: --out: {len(existing)} file(s) already match {args.out!r} (first: {existing[0]}); "
-            f"remove them or choose another --out",
-            file=sys.stderr,
+        raise Refused(
+            f"--out: {len(existing)} file(s) already match {pattern!r} (first: {existing[0]}); "
+            f"remove them or choose another --out"
         )
-        return 2
-    if os.path.lexists(_rejected_path(args.out)):
-        print(
-            f"error: --out: {_rejected_path(args.out)} already exists (an earlier make's rejections); "
-            f"remove it or choose another folder for --out",
-            file=sys.stderr,
+    if os.path.lexists(_rejected_path(pattern)):
+        raise Refused(
+            f"--out: {_rejected_path(pattern)} already exists (an earlier make's rejections); "
+            f"remove it or choose another folder for --out"
         )
-        return 2
+
+
+def run_make(args, options: ReadOptions) -> MakeResult:
+    """`make_shards` with the command line's limits, rejections echoed on stderr; Refused when there
+    is no manifest or the output cannot be written."""
     limits = Limits(
         sample_rate=args.sample_rate,
         max_pixels=args.max_pixels,
@@ -165,26 +191,12 @@ def cmd_make(args) -> int:
             options=options,
         )
     except (FileNotFoundError, NotRegularFile) as e:  # no manifest, or a FIFO or device in its place
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise Refused(str(e)) from None
     except OSError as e:  # a full disk, no permission: make_shards has removed what it wrote
         where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or e}; no shard was written and no partial file is left", file=sys.stderr)
-        return 2
+        raise Refused(f"{where}{e.strerror or e}; no shard was written and no partial file is left") from None
     echo.close()
-    if args.json:
-        print(json.dumps({**result.to_json(), "rejected_file": _rejected_path(args.out)}, indent=1))
-    else:
-        print(result.summary())
-        if result.rejected:
-            print(f"rejections listed in {_rejected_path(args.out)}")
-    if result.samples == 0:
-        print("error: no sample passed validation; nothing was written", file=sys.stderr)
-        return 1
-    if args.strict and result.rejected:
-        print(f"error: --strict: {len(result.rejected)} sample(s) rejected", file=sys.stderr)
-        return 1
-    return 0
+    return result
 
 
 def _rejected_path(pattern: str) -> str:

@@ -38,6 +38,12 @@ absolute paths resolved) is outside the real folder of its manifest is a
 the manifest names when its line is read; it is not a guard against files
 being swapped inside the folder while the job runs.
 
+A line is read in four steps (`parse_line`), each a function of named data:
+`decode_line` (bytes -> dict), `map_fields` (dict -> `Fields`: the keys and
+`--field` mapping above), `place_markers` and `check_paths`; a step that
+refuses the line raises `LineError`, which becomes its Rejection. Another input
+layout needs only its own dict -> `Fields` step.
+
 A manifest is a .jsonl file or a folder of them (read in name order). A bad
 line (bad JSON, over 1 MiB, nested deeper than 64, a wrong type) becomes a
 `Rejection`, never an exception: the job goes on.
@@ -210,148 +216,267 @@ def _depth(value: object) -> int:
     return deepest
 
 
+# --------------------------------------------------------------------------- one line, in four steps
+
+
+class LineError(Exception):
+    """A line that cannot be a sample, raised by a step of `parse_line`: the Rejection's code,
+    reason, id and file; `parse_line` adds where the line is."""
+
+    def __init__(self, code: str, reason: str, sample_id: Optional[str] = None, file: Optional[str] = None):
+        super().__init__(reason)
+        self.code, self.reason, self.sample_id, self.file = code, reason, sample_id, file
+
+    def rejection(self, where: str) -> Rejection:
+        return Rejection(self.sample_id, where, self.code, self.reason, file=self.file)
+
+
+def _bad(reason: str, sample_id: Optional[str] = None) -> LineError:
+    return LineError("bad-line", reason, sample_id)
+
+
+@dataclass
+class Fields:
+    """A line's fields, whatever keys or layout they came from: what the marker and path steps check."""
+
+    id: str
+    prompt: str
+    answer: Optional[str]
+    images: list[str]  # paths as the manifest gives them (relative to its folder, or absolute)
+    audio: list[str]
+    meta: dict
+
+
+@dataclass
+class Picked:
+    """The fields a line has, each taken from the one key of its list that is present."""
+
+    values: dict[str, object]  # field -> its value
+    keys: dict[str, str]  # field -> the key it was read from
+    options: ReadOptions
+
+    def get(self, name: str) -> object:
+        return self.values.get(name)
+
+    def named(self, name: str) -> str:
+        """How a field is named in a message: its key, and the --field that chose it."""
+        key = self.keys[name] if name in self.keys else "' or '".join(dict(self.options.fields)[name]) or name
+        return f"'{key}' (--field {name})" if name in self.options.explicit else f"'{key}'"
+
+
+@dataclass
+class Answer:
+    """The answer as stored (a string, or None), and the whole list when the line gave a list of strings."""
+
+    text: Optional[str]
+    answers: Optional[list[str]] = None  # kept in meta as `answers`
+
+
+@dataclass
+class Markers:
+    """The prompt's media markers, in prompt order; placed before the text when it had none."""
+
+    prompt: str
+    kinds: list[str]  # "image" / "audio", one per marker
+    placed: bool
+
+
 def parse_line(
     raw: bytes, where: str, base: str, options: ReadOptions = ReadOptions(), default_id: Optional[str] = None
 ) -> Union[Entry, Rejection]:
     """One manifest line -> Entry, or a Rejection naming what is wrong with it. `base` is the
-    manifest's folder; `default_id` the id of a line without one (None: the id is required)."""
+    manifest's folder; `default_id` the id of a line without one (None: the id is required).
+    The steps: `decode_line` (bytes -> dict), `map_fields` (dict -> Fields: the keys and
+    `--field` mapping), `place_markers` (markers against media), `check_paths`."""
+    try:
+        fields = map_fields(decode_line(raw), options, default_id)
+        markers = place_markers(fields, options)
+        check_paths(fields, base, options)
+    except LineError as e:
+        return e.rejection(where)
+    return Entry(
+        fields.id,
+        markers.prompt,
+        fields.answer,
+        fields.meta,
+        media_in_marker_order(fields, markers, base),
+        where,
+        markers_placed=markers.placed,
+    )
 
-    def bad(reason: str, sample_id: Optional[str] = None) -> Rejection:
-        return Rejection(sample_id, where, "bad-line", reason)
 
+def decode_line(raw: bytes) -> dict:
+    """Step 1: a line -> its JSON object. A bad-line LineError when it is over MAX_LINE_BYTES, not
+    JSON, not an object, or nested deeper than MAX_DEPTH."""
     if len(raw) > MAX_LINE_BYTES:
-        return bad(f"line of {len(raw)} bytes is over the limit of {MAX_LINE_BYTES}")
+        raise _bad(f"line of {len(raw)} bytes is over the limit of {MAX_LINE_BYTES}")
     try:
         obj = json.loads(raw)
     except RecursionError:
-        return bad(f"JSON nested deeper than the limit of {MAX_DEPTH}")
+        raise _bad(f"JSON nested deeper than the limit of {MAX_DEPTH}") from None
     except ValueError as e:  # bad JSON, bad UTF-8, an integer of over 4300 digits
-        return bad(f"not valid JSON ({e})")
+        raise _bad(f"not valid JSON ({e})") from None
     if not isinstance(obj, dict):
-        return bad(f"a line must be a JSON object, got {type(obj).__name__}")
+        raise _bad(f"a line must be a JSON object, got {type(obj).__name__}")
     if _depth(obj) > MAX_DEPTH:
-        return bad(f"JSON nested deeper than the limit of {MAX_DEPTH}")
+        raise _bad(f"JSON nested deeper than the limit of {MAX_DEPTH}")
+    return obj
 
-    # Each field from its one key present; two present keys of one field are ambiguous.
-    values: dict[str, tuple[str, object]] = {}  # field -> (key, value)
+
+def map_fields(obj: dict, options: ReadOptions, default_id: Optional[str] = None) -> Fields:
+    """Step 2: a line's object -> its Fields, each read from its keys (`options`); every other key
+    (and those of a `meta` object) goes to meta. Takes the fields' keys out of `obj`. A bad-line
+    LineError for an ambiguous key or a value of the wrong type."""
+    picked = pick_fields(obj, options, default_id)
+    sample_id = _sample_id(picked, default_id)
+    prompt = picked.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        what = "must be a non-empty string" if "prompt" in picked.values else "is missing"
+        raise _bad(f"the prompt, field {picked.named('prompt')}, {what}", sample_id)
+    answer = _answer(picked, sample_id)
+    images = _paths(picked, "images", sample_id)
+    audio = _paths(picked, "audio", sample_id)
+    meta = _meta(obj, answer, picked, sample_id)
+    return Fields(sample_id, prompt, answer.text, images, audio, meta)
+
+
+def pick_fields(obj: dict, options: ReadOptions, default_id: Optional[str] = None) -> Picked:
+    """Each field from its one key present, taken out of `obj`; two present keys of one field are
+    ambiguous: a bad-line naming both."""
+    picked = Picked({}, {}, options)
     for name, keys in options.fields:
         present = [k for k in keys if k in obj]
         if len(present) > 1:
-            sid = values.get("id", (None, None))[1]  # read first: "id" has one key
+            sid = picked.get("id")  # read first: "id" has one key
             sid = str(sid) if isinstance(sid, (str, int)) and not isinstance(sid, bool) else default_id
-            return bad(
+            raise _bad(
                 f"keys {' and '.join(repr(k) for k in present)} both give the {name}; keep one, "
                 f"or choose with --field {name}=KEY",
                 sid,
             )
         if present:
-            values[name] = (present[0], obj.pop(present[0]))
+            picked.keys[name] = present[0]
+            picked.values[name] = obj.pop(present[0])
+    return picked
 
-    def key_of(name: str) -> str:
-        """How a field is named in a message: its key, and the --field that chose it."""
-        keys = dict(options.fields)[name]
-        key = values[name][0] if name in values else "' or '".join(keys) or name
-        return f"'{key}' (--field {name})" if name in options.explicit else f"'{key}'"
 
-    sample_id = values.get("id", (None, None))[1]
+def _sample_id(picked: Picked, default_id: Optional[str]) -> str:
+    sample_id = picked.get("id")
     if isinstance(sample_id, int) and not isinstance(sample_id, bool):
         sample_id = str(sample_id)
-    if "id" not in values and default_id is not None:
+    if "id" not in picked.values and default_id is not None:
         sample_id = default_id
     if not isinstance(sample_id, str) or not sample_id.strip():
-        return bad(f"field {key_of('id')} must be a non-empty string or a whole number")
-    prompt = values.get("prompt", (None, None))[1]
-    if not isinstance(prompt, str) or not prompt.strip():
-        what = "must be a non-empty string" if "prompt" in values else "is missing"
-        return bad(f"the prompt, field {key_of('prompt')}, {what}", sample_id)
+        raise _bad(f"field {picked.named('id')} must be a non-empty string or a whole number")
+    return sample_id
 
-    answer = values.get("answer", (None, None))[1]
-    answers = None
+
+def _answer(picked: Picked, sample_id: str) -> Answer:
+    answer = picked.get("answer")
     if (
         isinstance(answer, list)
         and len(answer) == 4
         and all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in answer)
     ):
-        answer = json.dumps(answer)  # a grounding box [x1, y1, x2, y2] (the `iou` reward reads it)
-    elif isinstance(answer, list):
+        return Answer(json.dumps(answer))  # a grounding box [x1, y1, x2, y2] (the `iou` reward reads it)
+    if isinstance(answer, list):
         if not answer or not all(isinstance(a, str) for a in answer):
-            return bad(f"field {key_of('answer')} must be a non-empty list of strings when a list", sample_id)
-        answers, answer = answer, answer[0]
-    elif isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            raise _bad(f"field {picked.named('answer')} must be a non-empty list of strings when a list", sample_id)
+        return Answer(answer[0], answers=answer)
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         if not math.isfinite(answer):
-            return bad(f"field {key_of('answer')} must be a finite number when a number", sample_id)
-        answer = str(answer)
-    elif answer is not None and not isinstance(answer, str):
-        return bad(f"field {key_of('answer')} must be a string, a number or a list of strings when given", sample_id)
+            raise _bad(f"field {picked.named('answer')} must be a finite number when a number", sample_id)
+        return Answer(str(answer))
+    if answer is not None and not isinstance(answer, str):
+        raise _bad(
+            f"field {picked.named('answer')} must be a string, a number or a list of strings when given", sample_id
+        )
+    return Answer(answer)
 
-    lists = {}
-    for name in ("images", "audio"):
-        value = values.get(name, (None, None))[1]
-        if value is None:
-            value = []
-        elif isinstance(value, str):
-            value = [value]
-        if not (isinstance(value, list) and all(isinstance(p, str) and p for p in value)):
-            return bad(f"field {key_of(name)} must be a file path or a list of file paths", sample_id)
-        if any("\0" in p for p in value):  # no file has such a name; os calls raise ValueError on it
-            return bad(f"field {key_of(name)}: a file path cannot contain a NUL character", sample_id)
-        lists[name] = value
 
-    meta = obj.pop("meta", {})
+def _paths(picked: Picked, name: str, sample_id: str) -> list[str]:
+    """A media field's paths: a list of them, one path string, or null (none)."""
+    value = picked.get(name)
+    if value is None:
+        value = []
+    elif isinstance(value, str):
+        value = [value]
+    if not (isinstance(value, list) and all(isinstance(p, str) and p for p in value)):
+        raise _bad(f"field {picked.named(name)} must be a file path or a list of file paths", sample_id)
+    if any("\0" in p for p in value):  # no file has such a name; os calls raise ValueError on it
+        raise _bad(f"field {picked.named(name)}: a file path cannot contain a NUL character", sample_id)
+    return value
+
+
+def _meta(rest: dict, answer: Answer, picked: Picked, sample_id: str) -> dict:
+    """The line's `meta` object and its other keys (`rest`), with a list answer's `answers`."""
+    meta = rest.pop("meta", {})
     if not isinstance(meta, dict):
-        return bad("field 'meta' must be an object when given", sample_id)
-    if answers is not None:
-        if "answers" in obj or "answers" in meta:
-            return bad(
-                f"field {key_of('answer')} is a list, kept in meta as 'answers', but the line "
+        raise _bad("field 'meta' must be an object when given", sample_id)
+    if answer.answers is not None:
+        if "answers" in rest or "answers" in meta:
+            raise _bad(
+                f"field {picked.named('answer')} is a list, kept in meta as 'answers', but the line "
                 f"already has an 'answers' key",
                 sample_id,
             )
-        obj["answers"] = answers
-    clash = sorted(set(meta) & set(obj))
+        rest["answers"] = answer.answers
+    clash = sorted(set(meta) & set(rest))
     if clash:
-        return bad(f"key(s) {clash} given both at the top level and in 'meta'", sample_id)
-    meta = {**meta, **obj}  # extra keys are metadata
+        raise _bad(f"key(s) {clash} given both at the top level and in 'meta'", sample_id)
+    return {**meta, **rest}  # extra keys are metadata
 
-    markers = [MARKERS[m] for m in _MARKER.findall(prompt)]
-    n_images, n_clips = len(lists["images"]), len(lists["audio"])
-    placed = not markers and n_images + n_clips > 0
+
+def place_markers(fields: Fields, options: ReadOptions) -> Markers:
+    """Step 3: the prompt's markers against the media lists; a prompt with media and no marker gets
+    them placed before its text (unless `require_markers`). A marker-mismatch LineError otherwise."""
+    kinds = [MARKERS[m] for m in _MARKER.findall(fields.prompt)]
+    n_images, n_clips = len(fields.images), len(fields.audio)
+    placed = not kinds and n_images + n_clips > 0
     if placed and options.require_markers:
-        return Rejection(
-            sample_id,
-            where,
+        raise LineError(
             "marker-mismatch",
             f"prompt has no <image> or <audio> marker for {n_images} image(s) and {n_clips} "
             f"clip(s), and --require-markers is on; put one marker where each medium goes, "
             f"or leave out --require-markers to have them placed before the text",
+            fields.id,
         )
-    if placed:
-        markers = ["image"] * n_images + ["audio"] * n_clips
-        prompt = "<image>" * n_images + "<audio>" * n_clips + prompt
-    counts = {"image": markers.count("image"), "audio": markers.count("audio")}
+    if not placed:
+        prompt = fields.prompt
+    else:
+        kinds = ["image"] * n_images + ["audio"] * n_clips
+        prompt = "<image>" * n_images + "<audio>" * n_clips + fields.prompt
+    counts = {"image": kinds.count("image"), "audio": kinds.count("audio")}
     if counts["image"] != n_images or counts["audio"] != n_clips:
-        return Rejection(
-            sample_id,
-            where,
+        raise LineError(
             "marker-mismatch",
             f"prompt has {counts['image']} <image> and {counts['audio']} <audio> marker(s) for "
             f"{n_images} image(s) and {n_clips} clip(s); put one marker where each medium goes "
             f"(or none at all, to have them placed before the text)",
+            fields.id,
         )
+    return Markers(prompt, kinds, placed)
 
-    if not options.allow_outside:
-        for path in lists["images"] + lists["audio"]:
-            real = outside(path, base)
-            if real is not None:
-                return Rejection(
-                    sample_id,
-                    where,
-                    "path-outside-source",
-                    f"{path!r} resolves to {real}, outside the manifest's folder "
-                    f"{os.path.realpath(base)}; --allow-outside allows it (trusted manifests "
-                    f"only)",
-                    file=os.path.join(base, path),
-                )
-    queues = {"image": list(lists["images"]), "audio": list(lists["audio"])}
-    media = [(kind, os.path.join(base, queues[kind].pop(0))) for kind in markers]
-    return Entry(sample_id, prompt, answer, meta, media, where, markers_placed=placed)
+
+def check_paths(fields: Fields, base: str, options: ReadOptions) -> None:
+    """Step 4: every medium inside the manifest's folder `base` (unless `allow_outside`); a
+    path-outside-source LineError naming the first that is not. No file is opened."""
+    if options.allow_outside:
+        return
+    for path in fields.images + fields.audio:
+        real = outside(path, base)
+        if real is not None:
+            raise LineError(
+                "path-outside-source",
+                f"{path!r} resolves to {real}, outside the manifest's folder "
+                f"{os.path.realpath(base)}; --allow-outside allows it (trusted manifests "
+                f"only)",
+                fields.id,
+                file=os.path.join(base, path),
+            )
+
+
+def media_in_marker_order(fields: Fields, markers: Markers, base: str) -> list[tuple[str, str]]:
+    """(kind, path joined to `base`) for each marker: images and clips in list order, each at its marker."""
+    queues = {"image": list(fields.images), "audio": list(fields.audio)}
+    return [(kind, os.path.join(base, queues[kind].pop(0))) for kind in markers.kinds]

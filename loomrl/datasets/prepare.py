@@ -22,17 +22,21 @@ written samples whose markers were placed.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import re
 import sys
+import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, TextIO, Union
 
 import numpy as np
+import torch
+from tqdm import tqdm
 
 from loomrl.datasets.files import NotRegularFile, open_regular
 from loomrl.datasets.manifest import Entry, Manifest, ReadOptions, Rejection
@@ -243,85 +247,128 @@ def make_shards(
     even when empty; an existing one is never overwritten: FileExistsError). On
     failure (an OSError such as a full disk, naming the file) nothing of this
     call is left behind."""
-    import time
-
-    from tqdm import tqdm
-
     t0 = time.perf_counter()
     manifest = Manifest.from_source(source)
-    result = MakeResult()
     out_dir = os.path.dirname(pattern) or "."
     os.makedirs(out_dir, exist_ok=True)
-    rej_path = os.path.join(out_dir, "rejected.jsonl")
-    bar = tqdm(
-        total=manifest.count_lines() if progress else None,
-        disable=not progress,
-        unit="sample",
-        desc="shards make",
-        dynamic_ncols=True,
-    )
-
-    def reject(r: Rejection) -> None:
-        result.rejected.append(r)
-        try:  # line-buffered: a full disk shows up here, naming the file, not at the close
-            rej_file.write(json.dumps(r.to_json()) + "\n")
-        except OSError as e:
-            e.filename = e.filename or rej_path
-            raise
-        on_reject(r)
-
-    def good_samples() -> Iterator[dict]:
-        # Decoding runs in threads (Pillow, libsndfile and torch release the GIL);
-        # results come back in manifest order, so the shards are deterministic.
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            pending = []
-            for item in manifest.entries(options):
-                pending.append((pool.submit(prepare_entry, item, limits), item) if isinstance(item, Entry) else item)
-                if len(pending) >= 4 * max(1, workers):
-                    yield from settle(pending.pop(0))
-            for p in pending:
-                yield from settle(p)
-
-    def settle(p) -> Iterator[dict]:
-        bar.update(1)
-        out = p if isinstance(p, Rejection) else p[0].result()
-        if isinstance(out, Rejection):
-            reject(out)
-            return
-        result.samples += 1
-        result.markers_placed += p[1].markers_placed
-        for kind, _, data in out["media"]:
-            result.media[kind] += 1
-            result.media_bytes += len(data)
-        yield out
-
-    import torch
-
-    # Samples are decoded in parallel threads; torch's own intra-op threads for each
-    # small resample would only oversubscribe the cores (measured: 1000 samples took
-    # 27 s instead of 4.6 s on 2 busy cores). Restored afterwards.
-    try:  # "x": an earlier make's rejections (another pattern in this folder) are never overwritten
-        rej_file = open(rej_path, "x", buffering=1)
-    except OSError:
-        bar.close()
-        raise
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    outcomes = Outcomes.start(manifest, os.path.join(out_dir, "rejected.jsonl"), on_reject=on_reject, progress=progress)
+    samples = good_samples(manifest, outcomes, options=options, limits=limits, workers=workers)
     try:
-        result.shards = write_shards(good_samples(), pattern, maxcount, maxsize)
-        rej_file.close()  # line-buffered: nothing is left to write
+        with one_torch_thread():
+            outcomes.result.shards = write_shards(samples, pattern, maxcount, maxsize)
+        outcomes.rejected.close()  # line-buffered: nothing is left to write
     except BaseException:  # write_shards has removed its files; this one goes too, so a rerun is clean
-        for step in (rej_file.close, lambda: os.remove(rej_path)):
+        outcomes.discard_rejected()
+        raise
+    finally:
+        outcomes.bar.close()
+    outcomes.result.seconds = time.perf_counter() - t0
+    return outcomes.result
+
+
+@dataclass
+class Pending:
+    """A manifest line on its way to the shards: its Rejection, or its Entry and the future of its prepared sample."""
+
+    item: Union[Entry, Rejection]
+    future: Optional[Future] = None
+
+
+@dataclass
+class Outcomes:
+    """Where a make's outcomes go: the counts (`result`), rejected.jsonl, the caller's
+    `on_reject` and the progress bar."""
+
+    result: MakeResult
+    rejected: TextIO
+    rejected_path: str
+    on_reject: Callable[[Rejection], None]
+    bar: tqdm
+
+    @classmethod
+    def start(
+        cls, manifest: Manifest, rejected_path: str, *, on_reject: Callable[[Rejection], None], progress: bool
+    ) -> "Outcomes":
+        """The bar, and rejected.jsonl created (never overwritten: FileExistsError)."""
+        bar = tqdm(
+            total=manifest.count_lines() if progress else None,
+            disable=not progress,
+            unit="sample",
+            desc="shards make",
+            dynamic_ncols=True,
+        )
+        try:  # "x": an earlier make's rejections (another pattern in this folder) are never overwritten
+            rejected = open(rejected_path, "x", buffering=1)
+        except OSError:
+            bar.close()
+            raise
+        return cls(MakeResult(), rejected, rejected_path, on_reject, bar)
+
+    def reject(self, r: Rejection) -> None:
+        self.result.rejected.append(r)
+        try:  # line-buffered: a full disk shows up here, naming the file, not at the close
+            self.rejected.write(json.dumps(r.to_json()) + "\n")
+        except OSError as e:
+            e.filename = e.filename or self.rejected_path
+            raise
+        self.on_reject(r)
+
+    def settle(self, p: Pending) -> Optional[dict]:
+        """The line's sample when it is good (counted), else None (its rejection recorded)."""
+        self.bar.update(1)
+        out = p.item if p.future is None else p.future.result()
+        if isinstance(out, Rejection):
+            self.reject(out)
+            return None
+        assert isinstance(p.item, Entry)
+        self.result.samples += 1
+        self.result.markers_placed += p.item.markers_placed
+        for kind, _, data in out["media"]:
+            self.result.media[kind] += 1
+            self.result.media_bytes += len(data)
+        return out
+
+    def discard_rejected(self) -> None:
+        """Close and remove rejected.jsonl, after a failure."""
+        for step in (self.rejected.close, lambda: os.remove(self.rejected_path)):
             try:
                 step()
             except OSError:  # a full disk fails the close's flush too; the file goes anyway
                 pass
-        raise
+
+
+def good_samples(
+    manifest: Manifest, outcomes: Outcomes, *, options: ReadOptions, limits: Limits, workers: int
+) -> Iterator[dict]:
+    """The manifest's good samples, prepared; every line is settled with `outcomes`."""
+    # Decoding runs in threads (Pillow, libsndfile and torch release the GIL);
+    # results come back in manifest order, so the shards are deterministic.
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        pending: list[Pending] = []
+        for item in manifest.entries(options):
+            pending.append(Pending(item, pool.submit(prepare_entry, item, limits) if isinstance(item, Entry) else None))
+            if len(pending) >= 4 * max(1, workers):
+                sample = outcomes.settle(pending.pop(0))
+                if sample is not None:
+                    yield sample
+        for p in pending:
+            sample = outcomes.settle(p)
+            if sample is not None:
+                yield sample
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one intra-op thread inside the block."""
+    # Samples are decoded in parallel threads; torch's own intra-op threads for each
+    # small resample would only oversubscribe the cores (measured: 1000 samples took
+    # 27 s instead of 4.6 s on 2 busy cores). Restored afterwards.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
     finally:
-        bar.close()
         torch.set_num_threads(torch_threads)
-    result.seconds = time.perf_counter() - t0
-    return result
 
 
 def print_rejection(r: Rejection) -> None:
