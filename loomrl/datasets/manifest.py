@@ -60,9 +60,10 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Union
 
 from loomrl.datasets.files import check_regular, open_regular
+from loomrl.encoders.base import modalities
 
-MARKERS = {"<image>": "image", "<audio>": "audio"}
-_MARKER = re.compile(r"<image>|<audio>")
+MARKERS = {m.marker: m.name for m in modalities()}  # "<image>" -> "image", "<audio>" -> "audio"
+_MARKER = re.compile("|".join(map(re.escape, MARKERS)))
 MAX_LINE_BYTES = 1 << 20
 MAX_DEPTH = 64  # nesting of a line's JSON: deeper would make json.dumps of the header recurse too far
 
@@ -71,8 +72,8 @@ FIELD_KEYS: dict[str, tuple[str, ...]] = {
     "id": ("id",),
     "prompt": ("prompt", "question", "query", "instruction"),
     "answer": ("answer",),
-    "images": ("images", "image"),
-    "audio": ("audio", "audios"),
+    # each modality's list: "images" from `images` or `image`, "audio" from `audio` or `audios`
+    **{m.manifest_keys[0]: m.manifest_keys for m in modalities()},
 }
 
 
@@ -242,8 +243,7 @@ class Fields:
     id: str
     prompt: str
     answer: Optional[str]
-    images: list[str]  # paths as the manifest gives them (relative to its folder, or absolute)
-    audio: list[str]
+    media: dict[str, list[str]]  # kind -> paths as the manifest gives them (relative to its folder, or absolute)
     meta: dict
 
 
@@ -277,7 +277,7 @@ class Markers:
     """The prompt's media markers, in prompt order; placed before the text when it had none."""
 
     prompt: str
-    kinds: list[str]  # "image" / "audio", one per marker
+    kinds: list[str]  # the medium kind of each marker, in prompt order
     placed: bool
 
 
@@ -334,10 +334,9 @@ def map_fields(obj: dict, options: ReadOptions, default_id: Optional[str] = None
         what = "must be a non-empty string" if "prompt" in picked.values else "is missing"
         raise _bad(f"the prompt, field {picked.named('prompt')}, {what}", sample_id)
     answer = _answer(picked, sample_id)
-    images = _paths(picked, "images", sample_id)
-    audio = _paths(picked, "audio", sample_id)
+    media = {m.name: _paths(picked, m.manifest_keys[0], sample_id) for m in modalities()}
     meta = _meta(obj, answer, picked, sample_id)
-    return Fields(sample_id, prompt, answer.text, images, audio, meta)
+    return Fields(sample_id, prompt, answer.text, media, meta)
 
 
 def pick_fields(obj: dict, options: ReadOptions, default_id: Optional[str] = None) -> Picked:
@@ -431,27 +430,27 @@ def place_markers(fields: Fields, options: ReadOptions) -> Markers:
     """Step 3: the prompt's markers against the media lists; a prompt with media and no marker gets
     them placed before its text (unless `require_markers`). A marker-mismatch LineError otherwise."""
     kinds = [MARKERS[m] for m in _MARKER.findall(fields.prompt)]
-    n_images, n_clips = len(fields.images), len(fields.audio)
-    placed = not kinds and n_images + n_clips > 0
+    mods = modalities()
+    have = " and ".join(f"{len(fields.media[m.name])} {m.noun}(s)" for m in mods)  # "2 image(s) and 0 clip(s)"
+    placed = not kinds and any(fields.media.values())
     if placed and options.require_markers:
         raise LineError(
             "marker-mismatch",
-            f"prompt has no <image> or <audio> marker for {n_images} image(s) and {n_clips} "
-            f"clip(s), and --require-markers is on; put one marker where each medium goes, "
-            f"or leave out --require-markers to have them placed before the text",
+            f"prompt has no {' or '.join(MARKERS)} marker for {have}, and --require-markers is on; put "
+            f"one marker where each medium goes, or leave out --require-markers to have them placed "
+            f"before the text",
             fields.id,
         )
     if not placed:
         prompt = fields.prompt
     else:
-        kinds = ["image"] * n_images + ["audio"] * n_clips
-        prompt = "<image>" * n_images + "<audio>" * n_clips + fields.prompt
-    counts = {"image": kinds.count("image"), "audio": kinds.count("audio")}
-    if counts["image"] != n_images or counts["audio"] != n_clips:
+        kinds = [m.name for m in mods for _ in fields.media[m.name]]
+        prompt = "".join(m.marker * len(fields.media[m.name]) for m in mods) + fields.prompt
+    if any(kinds.count(m.name) != len(fields.media[m.name]) for m in mods):
+        markers = " and ".join(f"{kinds.count(m.name)} {m.marker}" for m in mods)
         raise LineError(
             "marker-mismatch",
-            f"prompt has {counts['image']} <image> and {counts['audio']} <audio> marker(s) for "
-            f"{n_images} image(s) and {n_clips} clip(s); put one marker where each medium goes "
+            f"prompt has {markers} marker(s) for {have}; put one marker where each medium goes "
             f"(or none at all, to have them placed before the text)",
             fields.id,
         )
@@ -463,7 +462,7 @@ def check_paths(fields: Fields, base: str, options: ReadOptions) -> None:
     path-outside-source LineError naming the first that is not. No file is opened."""
     if options.allow_outside:
         return
-    for path in fields.images + fields.audio:
+    for path in (p for paths in fields.media.values() for p in paths):
         real = outside(path, base)
         if real is not None:
             raise LineError(
@@ -478,5 +477,5 @@ def check_paths(fields: Fields, base: str, options: ReadOptions) -> None:
 
 def media_in_marker_order(fields: Fields, markers: Markers, base: str) -> list[tuple[str, str]]:
     """(kind, path joined to `base`) for each marker: images and clips in list order, each at its marker."""
-    queues = {"image": list(fields.images), "audio": list(fields.audio)}
+    queues = {kind: list(paths) for kind, paths in fields.media.items()}
     return [(kind, os.path.join(base, queues[kind].pop(0))) for kind in markers.kinds]

@@ -41,6 +41,7 @@ from tqdm import tqdm
 from loomrl.datasets.files import NotRegularFile, open_regular
 from loomrl.datasets.manifest import Entry, Manifest, ReadOptions, Rejection
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, write_shards
+from loomrl.encoders.base import modality
 
 KEEP_IMAGE_FORMATS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
 
@@ -174,7 +175,7 @@ def prepare_entry(entry: Entry, limits: Limits) -> Union[dict, Rejection]:
                 )
         except Reject as r:
             return Rejection(entry.id, entry.where, r.code, r.reason, file=path)
-        prefix = "img" if kind == "image" else "aud"
+        prefix = modality(kind).file_prefix
         media.append((kind, f"{prefix}{counts[kind]}.{ext}", stored))
         counts[kind] += 1
     sample = {"id": entry.id, "prompt": entry.prompt, "meta": entry.meta, "media": media}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Iterable, Iterator, Optional
 
 from loomrl.datasets.files import NotRegularFile, open_regular
+from loomrl.encoders.base import modalities
 from loomrl.encoders.media import content_hash
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ MAX_HEADER_BYTES = 1 << 20
 """Bound on what one tar header may make tarfile read (pax records, GNU long names): a
 damaged size field there would otherwise ask for gigabytes, or for the whole rest."""
 
-KINDS = ("image", "audio")
+KINDS = tuple(m.name for m in modalities())  # "image", "audio"
 _SAFE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
 _SAFE_MEMBER = re.compile(r"[a-z0-9][a-z0-9_]*\.[a-z0-9]+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")

@@ -108,7 +108,7 @@ class AudioModality(Modality):
     (`audio_projector`, Qwen2-Audio's multi_modal_projector.linear), which the cache never holds."""
 
     order, marker, manifest_keys, file_prefix = 1, "<audio>", ("audio", "audios"), "aud"
-    tower_name, tower_attrs = "audio", ("audio_tower", "audio_projector")
+    noun, tower_name, tower_attrs = "clip", "audio", ("audio_tower", "audio_projector")
     checkpoint_types = ("qwen2_audio",)
 
     @classmethod

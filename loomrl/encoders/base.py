@@ -64,6 +64,7 @@ class Modality:
     marker: ClassVar[str]  # prompt marker, e.g. "<image>"
     manifest_keys: ClassVar[tuple[str, ...]]  # the manifest's list key first, then aliases
     file_prefix: ClassVar[str]  # shard member names: f"{prefix}{index}.{ext}"
+    noun: ClassVar[str]  # one medium, as messages count them ("image", "clip")
     tower_name: ClassVar[str]  # how messages name its tower ("vision")
     tower_attrs: ClassVar[tuple[str, ...]]  # VLM attributes it owns, its tower first (state-dict prefixes)
     checkpoint_types: ClassVar[tuple[str, ...]]  # config.json model types whose towers read it

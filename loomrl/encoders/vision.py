@@ -115,7 +115,7 @@ class ImageModality(Modality):
     tower (the policy's `visual`, with its merger, whose output is already the backbone width)."""
 
     order, marker, manifest_keys, file_prefix = 0, "<image>", ("images", "image"), "img"
-    tower_name, tower_attrs = "vision", ("visual",)
+    noun, tower_name, tower_attrs = "image", "vision", ("visual",)
     checkpoint_types = ("qwen2_vl", "qwen2_5_vl")
 
     @classmethod
