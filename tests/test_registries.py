@@ -1,18 +1,25 @@
 """Registries instead of name chains: a part is found by the name a recipe gives it, its traits
 decide what the recipe may combine it with, and a new part is one file and one registration.
-RLOO is the worked example (docs/extending.md), checked by hand; a rollout engine and a reward are
-each registered in a test."""
+RLOO is the worked example (docs/extending.md), checked by hand; a rollout engine, a reward and a
+modality are each registered in a test."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from loomrl.config import RecipeError
+from loomrl.encoders.base import MODALITIES, Modality, load_medium
+from loomrl.encoders.base import register as register_modality
+from loomrl.encoders.media import Medium, content_hash
 from loomrl.platform import recipe as R
 from loomrl.platform.algorithms import ALGORITHMS
 from loomrl.platform.algorithms.advantages import assign_advantages
 from loomrl.platform.algorithms.rloo import rloo_advantages
+from loomrl.platform.backbone.config import ModelConfig
+from loomrl.platform.backbone.tokenizer import load_tokenizer
+from loomrl.platform.backbone.vlm import VLM
 from loomrl.platform.engines import TRAINING_ENGINES
 from loomrl.platform.rewards import REWARDS, build_reward
 from loomrl.platform.rewards.sources import build_sources
@@ -132,3 +139,66 @@ def test_a_new_reward_is_one_registration(short_answer, tmp_path):
         RecipeError, match=r"algorithm.reward: unknown reward 'no_such_reward'; registered: .*test_short"
     ):
         build_reward("no_such_reward")
+
+
+@pytest.fixture()
+def scalar_modality():
+    """A medium added by one registration: four float32 numbers, one token, a linear tower."""
+
+    class ScalarTower(torch.nn.Linear):
+        config = SimpleNamespace(to_dict=lambda: {"kind": "scalar"})
+        gradient_checkpointing = False
+
+    @register_modality("scalar")
+    class Scalars(Modality):
+        order, marker, manifest_keys, file_prefix = 9, "<scalar>", ("scalars",), "sca"
+        noun, tower_name, tower_attrs, checkpoint_types = "scalar", "scalar", ("scalar_tower",), ()
+
+        @classmethod
+        def load(cls, data, cfg):
+            features = torch.from_numpy(np.frombuffer(data, dtype=np.float32).copy())
+            if features.shape != (4,):
+                raise ValueError(f"a scalar medium is 4 float32 numbers, got {len(data)} bytes")
+            return Medium("scalar", content_hash(data), features[None], None, "")
+
+        @classmethod
+        def num_tokens(cls, medium, cfg):
+            return 1
+
+        @classmethod
+        def build_demo(cls, model, cfg):
+            model.scalar_tower = ScalarTower(4, cfg.hidden_size)
+
+        @classmethod
+        def parameter_parts(cls, model):
+            return {"scalar": list(model.scalar_tower.parameters())}
+
+        @classmethod
+        def batch(cls, media):
+            return (torch.cat([m.features for m in media]),)
+
+        @classmethod
+        def encode(cls, tower, inputs, media, cfg):
+            return list(tower(inputs[0])[:, None])
+
+    yield Scalars
+    MODALITIES._entries.pop("scalar")
+
+
+def test_a_new_modality_is_one_registration(scalar_modality):
+    cfg = ModelConfig()
+    tokenizer = load_tokenizer("demo")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", "<audio>", "<scalar>"]})
+    torch.manual_seed(0)
+    model = VLM(cfg, tokenizer)
+    assert isinstance(model.scalar_tower, torch.nn.Linear) and model.visual is not None  # beside the demo's towers
+    medium = load_medium("scalar", np.float32([1, 2, 3, 4]).tobytes(), cfg)
+    ids = model.prompt_ids(tokenizer, "<scalar> describe the sound .", [medium])
+    placeholder = model.media_tokens_of["scalar"].placeholder
+    assert ids.count(placeholder) == 1 and placeholder in model.banned_token_ids.tolist()
+    input_ids = torch.tensor([ids])
+    logp, _ = model.sequence_logprobs(input_ids, torch.ones_like(input_ids), [[medium]])
+    logp.sum().backward()  # the medium's encoding was spliced in: its tower gets a gradient
+    assert model.scalar_tower.weight.grad is not None and model.scalar_tower.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="unknown medium kind 'video'; kinds: audio, image, scalar"):
+        load_medium("video", b"", cfg)
