@@ -25,6 +25,10 @@ the mean grows with `mini_batches`; under `mini_batch` staleness comes only from
 groups in flight while the trainer steps, about (workers + groups started during
 a step) / groups per mini-batch. Fewer mini-batches per train batch, or more
 workers in flight per mini-batch, shrink the gap.
+
+The code: `simulate` runs one `Simulation`, whose methods are the event loop's steps (a worker
+starts a group, a group finishes, a worker dies, the trainer admits, trains and measures a
+mini-batch); `main` runs both policies on one workload and prints them side by side.
 """
 
 from __future__ import annotations
@@ -71,124 +75,145 @@ def _fleet_token_rate(w: Workload, seed: int) -> float:
     return w.workers * sum(sum(g) for g in groups) / sum(max(g) for g in groups)
 
 
+class Simulation:
+    """One run of the workload under one admission policy: the event loop's state and its steps.
+
+    Events are (time, order, kind, payload) on a heap: "done" (a worker finished a group),
+    "death" (a worker dies, its prompt re-queued), "trained" (an optimizer step ended). After
+    each, the trainer, when free, admits and trains the next mini-batch."""
+
+    def __init__(self, policy: str, w: Workload, seed: int, deaths: dict[int, float]) -> None:
+        self.policy, self.w = policy, w
+        self.rng = random.Random(seed)
+        self.store = TrajectoryStore(w.n)
+        self.disp = Dispatcher()
+        self.quota = Quota(w.groups_per_mini_batch, w.mini_batches)
+        self.train_rate = w.trainer_speed * _fleet_token_rate(w, seed)
+        self.image = torch.zeros(1).expand(w.image_bytes // 4)  # its size counts, no memory behind it
+        self.serial = iter(range(10**9))
+        self.target_steps = w.mini_batches * (w.train_batches + 1)
+        self.cap = w.groups_per_mini_batch * w.mini_batches  # finished groups allowed to wait
+        self.events: list = []  # (time, order, kind, payload)
+        self.order = iter(range(10**12))
+        self.version = 0
+        self.now = 0.0
+        self.idle_workers: list[int] = []
+        for wk in range(w.workers):
+            self._start(wk)
+        for wk, t in deaths.items():
+            heapq.heappush(self.events, (t, next(self.order), "death", wk))
+        self.trainer_busy_until = 0.0
+        self.queue: list = []  # admitted mini-batches waiting for the trainer
+        self.steps = 0
+        self.measured_from: float | None = None  # time the first measured step starts
+        self.busy = 0.0
+        self.stale: list[int] = []
+        self.waits: list[float] = []
+        self.bytes_dedup: list[int] = []
+        self.bytes_naive: list[int] = []
+
+    def _fresh(self, k: int) -> list[Job]:
+        out = []
+        for _ in range(k):
+            i = next(self.serial)
+            out.append(Job(f"p{i}", (f"prompt-{i}", Medium("image", f"img-{i}", self.image))))
+        return out
+
+    def _start(self, worker: int) -> None:
+        """The worker takes the next prompt, unless it is dead or back-pressure holds it idle."""
+        if worker in self.disp.dead:
+            return
+        if len(self.store.ready) + self.disp.outstanding >= self.cap:
+            self.idle_workers.append(worker)
+            return
+        job = self.disp.next_jobs(1, self._fresh)[0]
+        self.disp.assign(worker, [job])
+        lengths = _lengths(self.rng, self.w)
+        event = (worker, job, lengths, self.version)
+        heapq.heappush(self.events, (self.now + max(lengths), next(self.order), "done", event))
+
+    def _restart_idle(self) -> None:
+        for wk in list(self.idle_workers):
+            self.idle_workers.remove(wk)
+            self._start(wk)
+
+    def _train_next(self) -> None:
+        groups = self.queue.pop(0)
+        tokens = sum(g.tokens for g in groups)
+        dt = tokens / self.train_rate
+        if self.steps >= self.w.mini_batches:  # measured: after the warm-up train batch
+            self._measure(groups, dt)
+        self.trainer_busy_until = self.now + dt
+        heapq.heappush(self.events, (self.trainer_busy_until, next(self.order), "trained", groups))
+
+    def _measure(self, groups: list, dt: float) -> None:
+        if self.measured_from is None:
+            self.measured_from = self.now
+        self.busy += dt
+        self.stale.extend(staleness(groups, self.version))
+        self.waits.extend(g.admitted_at - g.ready_at for g in groups)
+        trajs = [t for g in groups for t in g.trajectories]
+        mt = media_transfer(trajs)
+        token_bytes = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs) * 12  # ids + logp
+        self.bytes_dedup.append(mt.bytes_dedup + token_bytes)
+        self.bytes_naive.append(mt.bytes_naive + token_bytes)
+
+    def _handle(self, kind: str, payload) -> bool:
+        """Apply one event; False: a group finished by a worker that had died (nothing changed)."""
+        if kind == "done":
+            worker, job, lengths, gen_version = payload
+            if worker in self.disp.dead:
+                return False  # it died before finishing; the prompt was re-queued
+            self.disp.complete(worker, job.key)
+            prompt_id, medium = job.prompt
+            for L in lengths:
+                traj = Trajectory(prompt_id, 0, [0] * self.w.prompt_len, [0] * L, [medium], [], 0.0, gen_version)
+                self.store.put(traj, job.key, self.now)
+            self._start(worker)
+        elif kind == "death":
+            self.disp.worker_died(payload, "injected")
+            self._restart_idle()
+        elif kind == "trained":
+            self.store.mark_trained(payload)
+            self.version += 1
+            self.steps += 1
+            self._restart_idle()  # back-pressure released
+        return True
+
+    def run(self) -> dict:
+        while self.steps < self.target_steps:
+            if not self.events:
+                raise RuntimeError("simulation stalled: every worker is dead")
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            if not self._handle(kind, payload):
+                continue
+            if self.now >= self.trainer_busy_until and not self.queue:
+                self.queue += admit(self.store, self.policy, self.quota, self.version, self.now)
+            if self.now >= self.trainer_busy_until and self.queue:
+                self._train_next()
+        return self._result()
+
+    def _result(self) -> dict:
+        total = self.now - self.measured_from
+        return {
+            "mean_staleness": sum(self.stale) / len(self.stale),
+            "max_staleness": max(self.stale),
+            "trainer_idle_frac": 1.0 - self.busy / total,
+            "admission_wait_mean": sum(self.waits) / len(self.waits),
+            "optimizer_steps": self.steps,
+            "sim_time": self.now,
+            "bytes_per_mini_batch": sum(self.bytes_dedup) / len(self.bytes_dedup),
+            "bytes_per_mini_batch_no_dedup": sum(self.bytes_naive) / len(self.bytes_naive),
+            "prompts_created": next(self.serial),
+            "store": self.store,
+            "dispatcher": self.disp,
+        }
+
+
 def simulate(policy: str, w: Workload, seed: int = 0, deaths: dict[int, float] | None = None) -> dict:
     """Run the workload under one admission policy. deaths: worker -> simulated time it dies
     (its in-flight prompt is re-queued). Returns metrics plus the store and dispatcher."""
-    rng = random.Random(seed)
-    deaths = deaths or {}
-    store = TrajectoryStore(w.n)
-    disp = Dispatcher()
-    quota = Quota(w.groups_per_mini_batch, w.mini_batches)
-    train_rate = w.trainer_speed * _fleet_token_rate(w, seed)
-    image = torch.zeros(1).expand(w.image_bytes // 4)  # its size counts, no memory behind it
-    serial = iter(range(10**9))
-    target_steps = w.mini_batches * (w.train_batches + 1)
-    cap = w.groups_per_mini_batch * w.mini_batches  # finished groups allowed to wait
-
-    def fresh(k: int) -> list[Job]:
-        out = []
-        for _ in range(k):
-            i = next(serial)
-            out.append(Job(f"p{i}", (f"prompt-{i}", Medium("image", f"img-{i}", image))))
-        return out
-
-    events: list = []  # (time, order, kind, payload)
-    order = iter(range(10**12))
-    version = 0
-    now = 0.0
-    idle_workers: list[int] = []
-
-    def start(worker: int) -> None:
-        if worker in disp.dead:
-            return
-        if len(store.ready) + disp.outstanding >= cap:
-            idle_workers.append(worker)
-            return
-        job = disp.next_jobs(1, fresh)[0]
-        disp.assign(worker, [job])
-        lengths = _lengths(rng, w)
-        heapq.heappush(events, (now + max(lengths), next(order), "done", (worker, job, lengths, version)))
-
-    for wk in range(w.workers):
-        start(wk)
-    for wk, t in deaths.items():
-        heapq.heappush(events, (t, next(order), "death", wk))
-
-    trainer_busy_until = 0.0
-    queue: list = []  # admitted mini-batches waiting for the trainer
-    steps = 0
-    measured_from = None  # time the first measured step starts
-    busy = 0.0
-    stale: list[int] = []
-    waits: list[float] = []
-    bytes_dedup: list[int] = []
-    bytes_naive: list[int] = []
-
-    def train_next() -> None:
-        nonlocal trainer_busy_until, busy, measured_from
-        groups = queue.pop(0)
-        tokens = sum(g.tokens for g in groups)
-        dt = tokens / train_rate
-        measured = steps >= w.mini_batches
-        if measured:
-            if measured_from is None:
-                measured_from = now
-            busy += dt
-            stale.extend(staleness(groups, version))
-            waits.extend(g.admitted_at - g.ready_at for g in groups)
-            trajs = [t for g in groups for t in g.trajectories]
-            mt = media_transfer(trajs)
-            token_bytes = sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs) * 12  # ids + logp
-            bytes_dedup.append(mt.bytes_dedup + token_bytes)
-            bytes_naive.append(mt.bytes_naive + token_bytes)
-        trainer_busy_until = now + dt
-        heapq.heappush(events, (trainer_busy_until, next(order), "trained", groups))
-
-    while steps < target_steps:
-        if not events:
-            raise RuntimeError("simulation stalled: every worker is dead")
-        now, _, kind, payload = heapq.heappop(events)
-        if kind == "done":
-            worker, job, lengths, gen_version = payload
-            if worker in disp.dead:
-                continue  # it died before finishing; the prompt was re-queued
-            disp.complete(worker, job.key)
-            prompt_id, medium = job.prompt
-            for L in lengths:
-                store.put(
-                    Trajectory(prompt_id, 0, [0] * w.prompt_len, [0] * L, [medium], [], 0.0, gen_version), job.key, now
-                )
-            start(worker)
-        elif kind == "death":
-            disp.worker_died(payload, "injected")
-            for wk in list(idle_workers):
-                idle_workers.remove(wk)
-                start(wk)
-        elif kind == "trained":
-            store.mark_trained(payload)
-            version += 1
-            steps += 1
-            for wk in list(idle_workers):  # back-pressure released
-                idle_workers.remove(wk)
-                start(wk)
-        if now >= trainer_busy_until and not queue:
-            queue += admit(store, policy, quota, version, now)
-        if now >= trainer_busy_until and queue:
-            train_next()
-    total = now - measured_from
-    return {
-        "mean_staleness": sum(stale) / len(stale),
-        "max_staleness": max(stale),
-        "trainer_idle_frac": 1.0 - busy / total,
-        "admission_wait_mean": sum(waits) / len(waits),
-        "optimizer_steps": steps,
-        "sim_time": now,
-        "bytes_per_mini_batch": sum(bytes_dedup) / len(bytes_dedup),
-        "bytes_per_mini_batch_no_dedup": sum(bytes_naive) / len(bytes_naive),
-        "prompts_created": next(serial),
-        "store": store,
-        "dispatcher": disp,
-    }
+    return Simulation(policy, w, seed, deaths or {}).run()
 
 
 def main(argv: list[str]) -> int:

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors.torch import save_file
 
-from loomrl.encoders.hf_checkpoint import read_config, read_tensors
+from loomrl.encoders.hf_checkpoint import attach_towers, read_config, read_tensors
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
+from loomrl.platform.backbone.lora import merged_state_dict
 
 SUPPORTED = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_audio")
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
@@ -129,7 +131,6 @@ def load_policy(model, folder: str | Path) -> None:
     """Load a checkpoint folder into a loomrl VLM: the language model always, the vision tower
     (Qwen2-VL / Qwen2.5-VL) or the audio tower + projector (Qwen2-Audio) when the folder has it.
     The folder's language model must have the VLM's shapes (vocabulary included)."""
-    from loomrl.encoders.hf_checkpoint import attach_towers
 
     src = load_language_model(folder, next(model.parameters()).dtype)
     dst = model.language_model
@@ -210,7 +211,6 @@ def decoder_tensors(
     """The decoder's tensors under checkpoint names; `lm_head.weight` only when untied, or when
     tied_head asks for it too. LoRA adapters are merged into their weights (`lora.merged_state_dict`:
     a plain Qwen2 layout, no lora_* keys), so every export and vLLM sync sees W + B @ A * scale."""
-    from loomrl.platform.backbone.lora import merged_state_dict
 
     out = {}
     for name, t in merged_state_dict(decoder).items():
@@ -237,7 +237,6 @@ def write_folder(
     """Write config.json + safetensors (sharded with an index past `max_shard_bytes`) into
     `folder`, atomically: filled beside it, fsynced, then renamed into place. An existing
     folder is refused unless `overwrite`."""
-    from safetensors.torch import save_file
 
     folder = Path(folder)
     if folder.exists() and not overwrite:

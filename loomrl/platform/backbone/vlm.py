@@ -43,9 +43,12 @@ from torch import nn
 
 from loomrl.encoders.base import MODALITIES, Modality, checkpoint_towers, modalities, modality
 from loomrl.encoders.cache import EncodeStats, EncodingCache, Encodings, encode_distinct, encode_every_copy
+from loomrl.encoders.hf_checkpoint import read_config
 from loomrl.encoders.media import Medium, settings_fingerprint
 from loomrl.platform.backbone.config import DEFAULT_ROUNDING, ModelConfig
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, KVCache
+from loomrl.platform.backbone.hf_io import decoder_config, load_policy
+from loomrl.platform.backbone.lora import apply_lora
 from loomrl.platform.backbone.mrope import rope_index
 from loomrl.platform.backbone.rounding import Regions
 from loomrl.platform.backbone.tokenizer import media_layout
@@ -81,8 +84,6 @@ class VLM(nn.Module):
         self.eos_token_id = tokenizer.eos_token_id
         vocab_size = len(tokenizer)
         if hf_config is not None:
-            from loomrl.platform.backbone.hf_io import decoder_config
-
             vocab_size = decoder_config(hf_config, where).vocab_size
             if vocab_size < len(tokenizer):
                 raise ValueError(
@@ -110,31 +111,7 @@ class VLM(nn.Module):
                 m.build_demo(self, cfg)
             elif m.name in kinds:
                 m.build_from_checkpoint(self, hf_config, where)
-        self.language_model = Decoder(
-            DecoderConfig(
-                vocab_size=vocab_size,
-                hidden_size=cfg.hidden_size,
-                num_layers=cfg.num_layers,
-                num_heads=cfg.num_heads,
-                num_kv_heads=cfg.num_kv_heads,
-                intermediate_size=cfg.intermediate_size,
-                rope_theta=cfg.rope_theta,
-                rms_norm_eps=cfg.rms_norm_eps,
-                tie_word_embeddings=cfg.tie_word_embeddings,
-                rounding=Regions(
-                    *(
-                        DEFAULT_ROUNDING if m == "auto" else m
-                        for m in (
-                            # a recipe resolved `auto` by its rollout engine; a ModelConfig alone: the built-in's
-                            cfg.rounding.rope,
-                            cfg.rounding.swiglu,
-                            cfg.rounding.rmsnorm,
-                            cfg.rounding.attention,
-                        )
-                    )
-                ),
-            )
-        )
+        self.language_model = Decoder(language_model_config(cfg, vocab_size))
         for module in [*(x for m in modalities() for x in m.reinitialised(self)), *self.language_model.modules()]:
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=cfg.init_std)
@@ -506,20 +483,37 @@ class VLM(nn.Module):
         return F.log_softmax(logits, dim=-1)
 
 
+def language_model_config(cfg: ModelConfig, vocab_size: int) -> DecoderConfig:
+    """The language model's settings from the model section, the rounding profile's `auto` regions
+    resolved to the built-in's (a recipe resolves `auto` by its rollout engine before this)."""
+    return DecoderConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        rounding=Regions(
+            *(
+                DEFAULT_ROUNDING if m == "auto" else m
+                for m in (cfg.rounding.rope, cfg.rounding.swiglu, cfg.rounding.rmsnorm, cfg.rounding.attention)
+            )
+        ),
+    )
+
+
 def build_policy(cfg: ModelConfig, tokenizer, seed: int) -> VLM:
     """The policy: randomly initialised from `seed`, then loaded from `cfg.init_from` if set;
     then, with `cfg.lora.rank` > 0, LoRA adapters on the language model (`lora.apply_lora`: its
     base weights frozen; the adapters are drawn after the base weights, which are thus the same
     as without LoRA)."""
-    from loomrl.platform.backbone.lora import apply_lora
-
     torch.manual_seed(seed)
     if cfg.init_from is None:
         model = VLM(cfg, tokenizer)
     else:
-        from loomrl.encoders.hf_checkpoint import read_config
-        from loomrl.platform.backbone.hf_io import load_policy
-
         model = VLM(cfg, tokenizer, read_config(cfg.init_from))
         load_policy(model, cfg.init_from)
     apply_lora(model.language_model, cfg.lora)

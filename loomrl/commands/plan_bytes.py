@@ -1,0 +1,366 @@
+"""The bytes each training rank holds under `loomrl plan`, by kind, from the parameter counts.
+
+The other half of `loomrl plan`: plan_params.py counts the parameters; this module turns the counts
+into bytes per rank, one kind at a time, each a `Term` (its bytes and the line saying how they were
+reckoned); loomrl/commands/plan.py runs the phases in order and adds the kinds up into a `Plan`.
+The phases, each a function of the recipe and what the earlier ones found: `ranks_of` (world, tp,
+dp), `precision_of` (bytes per weight, activation and optimizer entry), `vocab_rows`,
+`training_state` (weights, gradients, optimizer, as the engine shards them), `micro_batch_of` and
+`activations`, `rollout_term`, `kept_copies` (the policy copy, the reference), `plan_notes`.
+
+Bytes per rank (P: parameters, T: trainable ones, w: 2 bytes in bf16, else 4 for fp32; the torch
+engine's `training.precision: bf16` is autocast: its weights, gradients and optimizer stay fp32, only
+the activations take 2 bytes;
+world = training.nproc, tp = training.megatron.tensor_parallel for Megatron else 1,
+dp = world / tp):
+- weights: P * w. DeepSpeed ZeRO-3 divides by dp. Megatron divides the language model's
+  linear weights and biases and its (vocab-parallel, padded to a multiple of tp) embedding
+  and head by tp; norms, towers and projector are replicated.
+- gradients: T * w. ZeRO-2/3 divide by dp; Megatron shards T as it shards P.
+- optimizer (AdamW): T * (8 + 4 in bf16): two fp32 moments, plus an fp32 master copy when
+  the weights are bf16. ZeRO-1/2/3 divide by dp; `training.deepspeed.offload_optimizer`
+  moves it to host memory (reported as cpu bytes, not GPU).
+- activations, one micro-batch of b = training.micro_batch_size sequences of s tokens
+  (s = rollout.vllm.max_model_len with vLLM rollouts, else rollout.max_new_tokens + 512
+  prompt tokens; `--seq-len` overrides), hidden size h, a heads, L decoder layers, vocab v,
+  after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+  Models", tensor parallel without sequence parallelism, as loomrl's Megatron engine runs):
+      per layer  s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) bytes in 16-bit
+                 (34 + 5 a s / h at tp = 1), times w / 2 for fp32;
+      layers     L * per layer; with activation checkpointing (`training.
+                 activation_checkpointing`, when a recipe has it) L * w * s * b * h (each
+                 layer's input) + one layer's full activations;
+      logits     (w + 4) * s * b * v: the logits and their fp32 log-softmax, which backward
+                 keeps (Megatron gathers the full vocabulary: not divided by tp).
+  The 5 a s / h term is the attention score matrix; a fused attention kernel (SDPA's
+  memory-efficient or flash kernels on a GPU) stores none of it, so the output names it
+  separately and `--fused-attention` plans without it. The towers' activations are not
+  counted.
+- rollout, colocated: vLLM holds its own copy of the language model (rollout.vllm.dtype)
+  plus its KV cache (rollout.vllm.kv_cache_gib); the built-in engine holds a KV cache for
+  one step's share of rollouts (2 * L * kv_heads * head_dim * s * rows * 4 bytes, rows =
+  ceil(prompts_per_step / world) * rollout.n). Disaggregated rollouts hold nothing on the
+  trainer ranks.
+- policy_copy: DeepSpeed and Megatron train their own copy; the trainer keeps the full
+  policy in float32 (P * 4) for the rollouts (its towers encode the media) and loads the
+  engine's weights into it after each step. None with the torch engine.
+- reference: the frozen reference policy of a KL penalty (algorithm.kl_coef > 0), P * 4.
+total = the sum. These are estimates of the tensors loomrl keeps; allocator fragmentation,
+CUDA context (~0.5-1 GiB), communication buffers and temporary copies come on top, so a
+plan with little headroom may still not fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from loomrl.commands.plan_params import Counts
+from loomrl.platform import recipe as R
+from loomrl.platform.algorithms import ALGORITHMS
+from loomrl.platform.engines.megatron_convert import padded_vocab
+
+GIB = 1 << 30
+PROMPT_ALLOWANCE = 512  # prompt tokens assumed without vLLM's max_model_len
+VLLM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """How the recipe's training ranks split the work."""
+
+    engine: str
+    world: int
+    """training.nproc"""
+    tp: int
+    """Megatron's tensor parallelism (1 for the other engines)."""
+    dp: int
+
+    def as_dict(self) -> dict:
+        return {"world": self.world, "dp": self.dp, "tp": self.tp}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per number, by what holds it."""
+
+    weight: int
+    """w: bytes per weight and per gradient (2 when the engine keeps bf16 weights, else 4)."""
+    activation: int
+    """Bytes per activation: 2 under any bf16, the torch engine's autocast included."""
+    optimizer: int
+    """Optimizer state per trainable parameter."""
+    optimizer_what: str
+    dtype: str
+    """The weights' dtype as the plan shows it."""
+
+
+@dataclass(frozen=True)
+class Term:
+    """One kind's bytes per rank, and how they were reckoned (the table's `how` column)."""
+
+    bytes: Union[int, float]
+    how: str
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """Weights, gradients and optimizer state per rank, as the engine shards them."""
+
+    weights: Term
+    gradients: Term
+    optimizer: Term
+    cpu_bytes: int
+    """The optimizer offloaded to host memory (0 when it is on the GPU)."""
+    desc: str
+    """The engine as the plan describes it (`deepspeed ZeRO-3`, ...)."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of training: what its activations depend on besides the model."""
+
+    seq_len: int
+    seq_len_from: str
+    size: int
+    checkpointing: bool
+    fused_attention: bool
+
+
+@dataclass(frozen=True)
+class Activations:
+    """`activation_bytes`' figures for a micro-batch, and the formula that gave them."""
+
+    bytes: dict
+    how: str
+
+
+def _ceil_div(a: float, b: int) -> int:
+    return int(math.ceil(a / b))
+
+
+def _bf16(recipe: R.Recipe) -> bool:
+    t = recipe.training
+    precision = str(getattr(t, "precision", "") or "").lower()
+    if precision in ("bf16", "bfloat16"):
+        return True
+    if t.engine == "deepspeed":
+        return bool(t.deepspeed.bf16)
+    return bool(getattr(getattr(t, t.engine, None), "bf16", False))
+
+
+def sequence_length(recipe: R.Recipe, override: Optional[int] = None) -> tuple[int, str]:
+    """(tokens per trained sequence, where that figure comes from)."""
+    if override is not None:
+        return override, "--seq-len"
+    if recipe.rollout.engine == "vllm":
+        return recipe.rollout.vllm.max_model_len, "rollout.vllm.max_model_len"
+    return (
+        PROMPT_ALLOWANCE + recipe.rollout.max_new_tokens,
+        f"{PROMPT_ALLOWANCE} prompt tokens + rollout.max_new_tokens; --seq-len to set it",
+    )
+
+
+def activation_bytes(
+    c: Counts,
+    s: int,
+    b: int,
+    tp: int,
+    w: int,
+    checkpointing: bool,
+    *,
+    vocab_rows: Optional[int] = None,
+    fused_attention: bool = False,
+) -> dict:
+    """{"layers", "attention_scores", "logits", "total"} for one micro-batch (formulas: module docstring);
+    fused_attention: the attention kernel stores no score matrix (the 5 a s / h term is 0)."""
+    h, a, L = c.hidden_size, c.num_heads, c.num_layers
+    v = vocab_rows or c.vocab_size
+    scores = 0 if fused_attention else 5 * a * s * s * b / tp * w / 2
+    per_layer = s * b * h * (10 + 24 / tp) * w / 2 + scores
+    if checkpointing:  # each layer's input kept, one layer's activations recomputed at a time
+        layers = L * w * s * b * h + per_layer
+    else:
+        layers, scores = L * per_layer, L * scores
+    logits = (w + 4) * s * b * v
+    out = {"layers": int(layers), "attention_scores": int(scores), "logits": int(logits)}
+    out["total"] = out["layers"] + out["logits"]
+    return out
+
+
+def ranks_of(recipe: R.Recipe) -> Ranks:
+    """world = training.nproc, tp = training.megatron.tensor_parallel for Megatron else 1, dp = world / tp."""
+    t = recipe.training
+    tp = t.megatron.tensor_parallel if t.engine == "megatron" else 1
+    return Ranks(engine=t.engine, world=t.nproc, tp=tp, dp=t.nproc // tp)
+
+
+def precision_of(recipe: R.Recipe, engine: str) -> Precision:
+    """Bytes per weight, activation and optimizer entry under the recipe's precision and engine."""
+    bf16 = _bf16(recipe)
+    # the torch engine's bf16 is autocast: FP32 weights, gradients and optimizer, BF16 activations;
+    # DeepSpeed's keeps BF16 weights and gradients beside an FP32 master copy
+    bf16_weights = bf16 and engine != "torch"
+    return Precision(
+        weight=2 if bf16_weights else 4,
+        activation=2 if bf16 else 4,
+        optimizer=8 + (4 if bf16_weights else 0),
+        optimizer_what="fp32 master + 2 fp32 moments" if bf16_weights else "2 fp32 moments",
+        dtype="bf16" if bf16_weights else ("fp32, bf16 autocast" if bf16 else "fp32"),
+    )
+
+
+def vocab_rows(c: Counts, ranks: Ranks) -> int:
+    """The vocabulary's rows as the engine holds them: Megatron pads them to a multiple of tp."""
+    return padded_vocab(c.vocab_size, ranks.tp) if ranks.engine == "megatron" else c.vocab_size
+
+
+def training_state(c: Counts, recipe: R.Recipe, ranks: Ranks, prec: Precision, *, vocab: int) -> TrainingState:
+    """Weights, gradients and optimizer per rank: ZeRO shards them over dp, Megatron over tp, torch
+    not at all. vocab: `vocab_rows`."""
+    P, T = c.total + c.lora, c.trainable
+    if ranks.engine == "deepspeed":
+        return _deepspeed_state(recipe.training.deepspeed, prec, P=P, T=T, dp=ranks.dp)
+    if ranks.engine == "megatron":
+        return _megatron_state(c, prec, P=P, T=T, tp=ranks.tp, vocab=vocab)
+    return _torch_state(prec, P=P, T=T)
+
+
+def _deepspeed_state(ds, prec: Precision, *, P: int, T: int, dp: int) -> TrainingState:
+    z, w, opt_per = ds.zero_stage, prec.weight, prec.optimizer
+    shard_w, shard_g, shard_o = (dp if z >= 3 else 1), (dp if z >= 2 else 1), (dp if z >= 1 else 1)
+    weights = Term(_ceil_div(P * w, shard_w), f"{P:,} params x {w} B" + (f" / {dp} (ZeRO-3)" if shard_w > 1 else ""))
+    grads = Term(_ceil_div(T * w, shard_g), f"{T:,} trainable x {w} B" + (f" / {dp} (ZeRO-2+)" if shard_g > 1 else ""))
+    opt = Term(
+        _ceil_div(T * opt_per, shard_o),
+        f"{T:,} trainable x {opt_per} B ({prec.optimizer_what})" + (f" / {dp} (ZeRO-1+)" if shard_o > 1 else ""),
+    )
+    desc = f"deepspeed ZeRO-{z}"
+    cpu = 0
+    if ds.offload_optimizer:
+        cpu = opt.bytes
+        opt = Term(0, f"offloaded to host memory ({cpu / GIB:.2f} GiB per rank)")
+        desc += ", optimizer offloaded"
+    return TrainingState(weights=weights, gradients=grads, optimizer=opt, cpu_bytes=cpu, desc=desc)
+
+
+def _megatron_state(c: Counts, prec: Precision, *, P: int, T: int, tp: int, vocab: int) -> TrainingState:
+    w, opt_per = prec.weight, prec.optimizer
+    pad = (vocab - c.vocab_size) * c.hidden_size * (1 if c.tied else 2)
+    sharded, rest = c.lm_tp + pad, P - c.lm_tp
+    t_sharded, t_rest = c.trainable_tp, T - c.trainable_tp
+    return TrainingState(
+        weights=Term(
+            (rest + _ceil_div(sharded, tp)) * w,
+            f"({rest:,} replicated + {sharded:,} language-model linear/embedding / {tp} (TP)) x {w} B",
+        ),
+        gradients=Term(
+            (t_rest + _ceil_div(t_sharded, tp)) * w, f"({t_rest:,} + {t_sharded:,} / {tp}) trainable x {w} B"
+        ),
+        optimizer=Term(
+            (t_rest + _ceil_div(t_sharded, tp)) * opt_per,
+            f"({t_rest:,} + {t_sharded:,} / {tp}) trainable x {opt_per} B ({prec.optimizer_what})",
+        ),
+        cpu_bytes=0,
+        desc=f"megatron TP {tp}",
+    )
+
+
+def _torch_state(prec: Precision, *, P: int, T: int) -> TrainingState:
+    w, opt_per = prec.weight, prec.optimizer
+    return TrainingState(
+        weights=Term(P * w, f"{P:,} params x {w} B"),
+        gradients=Term(T * w, f"{T:,} trainable x {w} B"),
+        optimizer=Term(T * opt_per, f"{T:,} trainable x {opt_per} B ({prec.optimizer_what})"),
+        cpu_bytes=0,
+        desc="torch (one process)",
+    )
+
+
+def micro_batch_of(recipe: R.Recipe, seq_len: Optional[int], fused_attention: bool) -> MicroBatch:
+    """The trained micro-batch: its sequences' length (seq_len: `--seq-len`), their number, the settings."""
+    s, s_from = sequence_length(recipe, seq_len)
+    t = recipe.training
+    return MicroBatch(
+        seq_len=s,
+        seq_len_from=s_from,
+        size=t.micro_batch_size,
+        checkpointing=bool(getattr(t, "activation_checkpointing", False)),
+        fused_attention=fused_attention,
+    )
+
+
+def activations(c: Counts, mb: MicroBatch, prec: Precision, *, tp: int, vocab: int) -> Activations:
+    """The micro-batch's activation bytes (`activation_bytes`) and the formula, as the table shows it."""
+    s, b, checkpointing, act_w = mb.seq_len, mb.size, mb.checkpointing, prec.activation
+    act = activation_bytes(c, s, b, tp, act_w, checkpointing, vocab_rows=vocab, fused_attention=mb.fused_attention)
+    terms = ["10 + 24/tp" if tp > 1 else "34"] + (
+        [] if mb.fused_attention else ["5*a*s/(h*tp)" if tp > 1 else "5*a*s/h"]
+    )
+    layer_formula = " + ".join(terms)
+    scale = "" if act_w == 2 else " x 2 (fp32)"
+    layer = "s*b*h x " + (f"({layer_formula})" if "+" in layer_formula else layer_formula) + scale
+    how = (
+        f"{f'{c.num_layers} x w*s*b*h + 1 x {layer}' if checkpointing else f'{c.num_layers} x {layer}'}"
+        f" + ({act_w}+4)*s*b*v logits; s={s}, b={b}, h={c.hidden_size}, a={c.num_heads}, "
+        f"v={vocab}"
+    )
+    return Activations(bytes=act, how=how)
+
+
+def rollout_term(c: Counts, recipe: R.Recipe, *, world: int, seq_len: int) -> Term:
+    """What a colocated rollout engine holds on a trainer rank (nothing when disaggregated)."""
+    r = recipe.rollout
+    head_dim = c.hidden_size // c.num_heads
+    if recipe.pipeline.mode == "disaggregated":
+        return Term(0, "disaggregated: the rollout workers hold the rollout engine, not the trainer ranks")
+    if r.engine == "vllm":
+        vb = VLLM_BYTES[r.vllm.dtype]
+        return Term(
+            c.language_model * vb + r.vllm.kv_cache_gib * GIB,
+            f"vLLM: {c.language_model:,} language-model params x {vb} B ({r.vllm.dtype}) + "
+            f"KV cache {r.vllm.kv_cache_gib} GiB (rollout.vllm.kv_cache_gib)",
+        )
+    rows = math.ceil(recipe.training.prompts_per_step / world) * r.n
+    return Term(
+        2 * c.num_layers * c.num_kv_heads * head_dim * seq_len * rows * 4,
+        f"built-in engine KV cache: 2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x "
+        f"{head_dim} x {seq_len} tokens x {rows} rows x 4 B (weights: the policy's)",
+    )
+
+
+def kept_copies(c: Counts, recipe: R.Recipe, engine: str) -> dict[str, Term]:
+    """The float32 policies kept beside the engine's: the trainer's copy for the rollouts (DeepSpeed,
+    Megatron), the frozen reference of a KL penalty."""
+    out = {}
+    if engine != "torch":
+        out["policy_copy"] = Term(
+            c.total * 4,
+            f"{c.total:,} params x 4 B: the trainer's float32 policy the rollouts use "
+            f"(reloaded from the engine after each step)",
+        )
+    if recipe.algorithm.kl_coef > 0 and not ALGORITHMS.get(recipe.algorithm.name).trait("supervised"):
+        out["reference"] = Term(
+            c.total * 4, f"{c.total:,} params x 4 B: the frozen reference policy (algorithm.kl_coef > 0)"
+        )
+    return out
+
+
+def plan_notes(act: dict, fused_attention: bool) -> list[str]:
+    """The notes under the table: the attention scores' share of the activations, what is not counted."""
+    notes: list[str] = []
+    if fused_attention:
+        notes.append(
+            "--fused-attention: no attention score matrix is stored (SDPA's memory-efficient or flash kernel on a GPU)"
+        )
+    elif act["attention_scores"] > act["total"] / 2:
+        notes.append(
+            f"most activation bytes are attention scores ({act['attention_scores'] / GIB:.1f} GiB), which "
+            f"a fused attention kernel does not store (--fused-attention plans with one); activation "
+            f"checkpointing, a smaller training.micro_batch_size or shorter sequences also cut them"
+        )
+    notes.append(
+        "the towers' activations, the CUDA context, communication buffers and allocator fragmentation are not counted"
+    )
+    return notes
