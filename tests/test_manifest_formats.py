@@ -52,7 +52,7 @@ def read_back(folder: Path) -> list[dict]:
 
 
 def rejections(folder: Path) -> dict:
-    rows = [json.loads(x) for x in (folder / "rejected.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (folder / "s-rejected.jsonl").read_text().splitlines()]
     return {r["id"] if r["id"] is not None else r["line"]: r for r in rows}
 
 
@@ -158,7 +158,7 @@ def test_summary_as_json_counts_placed_markers(root, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["written"] == 2 and summary["markers_placed"] == 1 and summary["images"] == 2
     assert summary["rejected"] == 1 and summary["rejected_by_code"] == {"marker-mismatch": 1}
-    assert summary["shards"] == [f"{out}/s-000.tar"] and summary["rejected_file"] == f"{out}/rejected.jsonl"
+    assert summary["shards"] == [f"{out}/s-000.tar"] and summary["rejected_file"] == f"{out}/s-rejected.jsonl"
     assert summary["shard_bytes"] == os.path.getsize(f"{out}/s-000.tar")
 
 
@@ -306,7 +306,14 @@ def test_field_mapping_with_field_flags(root, capsys):
     # a missing mapped key is named with its --field
     out = root / "o-fields-missing"
     assert make(manifest, "--out", f"{out}/s-%03d.tar", "--field", "prompt=caption") == 1
-    assert "field 'caption' (--field prompt)" in next(iter(rejections(out).values()))["reason"]
+    row = next(iter(rejections(out).values()))
+    assert (row["code"], row["reason"]) == ("missing-field", "--field prompt=caption: the line has no 'caption' key")
+    # so is one of a field that may be left out (images, answer): the real keys never slip into meta
+    for flag in ("images=nokey", "answer=nokey"):
+        out = root / f"o-{flag.replace('=', '-')}"
+        assert make(manifest, "--out", f"{out}/s-%03d.tar", "--field", flag) == 1
+        codes = {r["code"] for r in rejections(out).values()}
+        assert codes == {"missing-field"}, (flag, codes)
     capsys.readouterr()
 
 
@@ -379,3 +386,15 @@ def test_ambiguous_keys_and_bad_values_are_bad_lines(tmp_path, capsys):
     assert "keys 'images' and 'image' both give the images" in rej["imgs"]["reason"]
     assert "already has an 'answers' key" in rej["clash"]["reason"]
     assert rej["nul"]["reason"] == "field 'image': a file path cannot contain a NUL character"
+
+
+def test_progress_without_a_terminal_is_a_line_every_few_seconds(tmp_path, capsys, monkeypatch):
+    import loomrl.datasets.prepare as prepare
+
+    manifest = write_manifest(tmp_path / "m.jsonl", [{"id": f"t{i}", "prompt": "hi"} for i in range(3)])
+    monkeypatch.setattr(prepare, "PROGRESS_SECONDS", 0.0)  # every sample, instead of every 5 s
+    assert make(manifest, "--out", f"{tmp_path}/o/s-%d.tar", "--json") == 0
+    captured = capsys.readouterr()
+    lines = [x for x in captured.err.splitlines() if x.startswith("shards make: ")]
+    assert lines[-1].startswith("shards make: 3 read, 3 written, 0 rejected"), captured.err
+    assert json.loads(captured.out)["written"] == 3  # stdout stays the JSON alone

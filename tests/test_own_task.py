@@ -80,7 +80,7 @@ def test_sft_grpo_and_export_of_a_users_own_task(tmp_path, monkeypatch):
         tmp_path / "val.jsonl", [{"question": VAL_QUESTION, "image": f"img/{p}.png", "answer": p} for p in PHOTOS]
     )
     _run(["shards", "make", "train.jsonl", "--out", "shards/train-%06d.tar"])  # the good 12 written, 2 rejected
-    rejected = [json.loads(line) for line in (tmp_path / "shards" / "rejected.jsonl").read_text().splitlines()]
+    rejected = [json.loads(line) for line in (tmp_path / "shards" / "train-rejected.jsonl").read_text().splitlines()]
     assert sorted(r["code"] for r in rejected) == ["missing-file", "path-outside-source"]
     _run(["shards", "make", "val.jsonl", "--out", "val/val-%06d.tar"])
 

@@ -126,4 +126,4 @@ def test_shards_make_shows_the_first_rejections_and_counts_the_rest(tmp_path, ca
     assert main(["shards", "make", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "s" / "s-%06d.tar")]) == 0
     err = capsys.readouterr().err
     assert err.count("rejected id=") == 20 and "10 more rejection(s) not shown above" in err
-    assert len((tmp_path / "s" / "rejected.jsonl").read_text().splitlines()) == 30  # every one recorded
+    assert len((tmp_path / "s" / "s-rejected.jsonl").read_text().splitlines()) == 30  # every one recorded

@@ -1,7 +1,7 @@
 """Shards under hostile input and faults (issue 17, items 4 and 6-8): a long clip is
 refused from its header by every reader, a bad sample mid-training is skipped,
 counted, named and moved past, a full disk during `shards make` leaves nothing
-behind, and no --out pattern overwrites an existing shard or rejected.jsonl."""
+behind, no --out pattern overwrites an existing shard, and each split has its own rejection list."""
 
 import errno
 import io
@@ -170,10 +170,10 @@ def test_disk_full_during_make_is_a_clean_error_and_leaves_nothing(tmp_path, mon
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "No space left on device" in err and str(out) in err and "Traceback" not in err
-    assert sorted(os.listdir(out)) == []  # no .tmp, no shard, no rejected.jsonl: a rerun is not blocked
+    assert sorted(os.listdir(out)) == []  # no .tmp, no shard, no rejection list: a rerun is not blocked
     monkeypatch.undo()
 
-    # the same when the disk fills up under rejected.jsonl (the manifest's last line is rejected)
+    # the same when the disk fills up under the rejection list (the manifest's last line is rejected)
     import loomrl.datasets.prepare as prepare
 
     written[0] = 25_000
@@ -185,12 +185,12 @@ def test_disk_full_during_make_is_a_clean_error_and_leaves_nothing(tmp_path, mon
     )
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"{out}/rejected.jsonl: No space left on device" in err and "Traceback" not in err
+    assert f"{out}/s-rejected.jsonl: No space left on device" in err and "Traceback" not in err
     assert sorted(os.listdir(out)) == []
     monkeypatch.undo()
 
     assert main(argv) == 0
-    assert sorted(os.listdir(out)) == ["rejected.jsonl"] + [f"s-{i:04d}.tar" for i in range(4)]
+    assert sorted(os.listdir(out)) == [f"s-{i:04d}.tar" for i in range(4)] + ["s-rejected.jsonl"]
 
 
 # --------------------------------------------------------------------------- item 8: nothing is overwritten
@@ -224,14 +224,25 @@ def test_the_writer_itself_never_replaces_a_shard(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["s-1.tar"] and (tmp_path / "s-1.tar").read_bytes() == b"precious"
 
 
-def test_rejected_jsonl_of_an_earlier_make_is_not_overwritten(tmp_path, capsys):
+def test_splits_share_a_folder_and_a_failed_make_can_be_retried(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["make", text_manifest(tmp_path / "a.jsonl", 2), "--out", f"{out}/train-%d.tar"]) == 0
-    first = (out / "rejected.jsonl").read_text()
+    first = (out / "train-rejected.jsonl").read_text()
     assert "bad-line" in first
-    assert main(["make", text_manifest(tmp_path / "b.jsonl", 2, bad=0), "--out", f"{out}/val-%d.tar"]) == 2
-    assert "rejected.jsonl" in capsys.readouterr().err
-    assert (out / "rejected.jsonl").read_text() == first and not list(out.glob("val-*"))
+    # a second split into the same folder (the README's second command): its own rejection list
+    assert main(["make", text_manifest(tmp_path / "b.jsonl", 2, bad=0), "--out", f"{out}/val-%d.tar"]) == 0
+    assert (out / "train-rejected.jsonl").read_text() == first and (out / "val-rejected.jsonl").read_text() == ""
+    assert list(out.glob("val-*.tar"))
+    # a make that writes nothing (every line bad) leaves its list; the retry replaces it and runs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    assert main(["make", str(bad), "--out", f"{out}/test-%d.tar"]) == 1
+    assert "bad-line" in (out / "test-rejected.jsonl").read_text()
+    assert main(["make", text_manifest(tmp_path / "c.jsonl", 2, bad=0), "--out", f"{out}/test-%d.tar"]) == 0
+    assert "replacing" in capsys.readouterr().err
+    assert (out / "test-rejected.jsonl").read_text() == "" and list(out.glob("test-*.tar"))
+    assert main(["make", text_manifest(tmp_path / "d.jsonl", 2, bad=0), "--out", f"{out}/test-%d.tar"]) == 2
+    assert "already match" in capsys.readouterr().err  # shards written: never overwritten
 
 
 # --------------------------------------------------------------------------- item 11: `shards make` option values
@@ -325,7 +336,7 @@ def test_make_into_a_read_only_or_unlistable_folder_is_a_clean_error(tmp_path):
         pytest.skip("cannot drop the permission-bypassing capabilities here")
     assert "Traceback" not in run.stderr, run.stderr
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {"ro": 2, "ro-sub": 2, "nolist": 2}
-    assert f"{tmp_path}/ro/rejected.jsonl: Permission denied" in run.stderr
+    assert f"{tmp_path}/ro/s-rejected.jsonl: Permission denied" in run.stderr
     assert f"{tmp_path}/ro/sub: Permission denied" in run.stderr
     assert f"cannot look for existing shards in {tmp_path}/nolist: Permission denied" in run.stderr
     assert os.listdir(tmp_path / "ro") == [] and os.listdir(tmp_path / "nolist") == []

@@ -217,7 +217,7 @@ def test_make_writes_exactly_the_good_samples(made):
 
 @needs_real_media
 def test_every_rejection_is_reported_with_its_reason(made):
-    rows = [json.loads(x) for x in (made["out"] / "rejected.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (made["out"] / "train-rejected.jsonl").read_text().splitlines()]
     expected = [(s.get("id"), code) for s, code in made["bad"]] + [(None, "bad-line")]  # + the "{not json" line
     assert sorted(((r["id"], r["code"]) for r in rows), key=str) == sorted(expected, key=str)
     for r in rows:
@@ -255,7 +255,7 @@ def test_strict_turns_a_rejection_into_failure_and_out_is_never_overwritten(made
     clean = made["root"] / "clean.jsonl"
     clean.write_text(json.dumps(made["good"][0]) + "\n")
     assert main(["make", str(clean), "--out", str(made["root"] / "c" / "c-%03d.tar"), "--strict"]) == 0
-    assert (made["root"] / "c" / "rejected.jsonl").read_text() == ""
+    assert (made["root"] / "c" / "c-rejected.jsonl").read_text() == ""
 
 
 @needs_real_media
@@ -361,7 +361,7 @@ def test_make_reads_a_folder_of_manifests(made, capsys):
         (folder / f"part-{i}.jsonl").write_text(json.dumps(g) + "\n")
     # absolute paths outside the manifests' folder: refused unless --allow-outside
     assert main(["make", str(folder), "--out", str(made["root"] / "q" / "q-%06d.tar")]) == 1
-    rows = [json.loads(x) for x in (made["root"] / "q" / "rejected.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (made["root"] / "q" / "q-rejected.jsonl").read_text().splitlines()]
     assert [(r["id"], r["code"]) for r in rows] == [(g["id"], "path-outside-source") for g in made["good"][:2]] + [
         ("rocket", "path-outside-source")
     ]

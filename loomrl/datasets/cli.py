@@ -16,7 +16,7 @@ import sys
 
 from loomrl.datasets.files import NotRegularFile
 from loomrl.datasets.manifest import FIELD_KEYS, ReadOptions
-from loomrl.datasets.prepare import Limits, MakeResult, RejectionEcho, make_shards
+from loomrl.datasets.prepare import Limits, MakeResult, RejectionEcho, make_shards, rejected_path
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError, check_pattern, existing_shards
 
 _UNITS = {
@@ -114,11 +114,11 @@ def cmd_make(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({**result.to_json(), "rejected_file": _rejected_path(args.out)}, indent=1))
+        print(json.dumps({**result.to_json(), "rejected_file": rejected_path(args.out)}, indent=1))
     else:
         print(result.summary())
         if result.rejected:
-            print(f"rejections listed in {_rejected_path(args.out)}")
+            print(f"rejections listed in {rejected_path(args.out)}")
     if result.samples == 0:
         print("error: no sample passed validation; nothing was written", file=sys.stderr)
         return 1
@@ -151,7 +151,8 @@ def read_options(args) -> ReadOptions:
 
 
 def check_nothing_to_overwrite(pattern: str) -> None:
-    """No shard matches `pattern` yet and its folder has no rejected.jsonl; Refused otherwise."""
+    """No shard matches `pattern` yet; Refused otherwise. The split's rejection list of an earlier
+    make that wrote no shard (it failed, or every sample was rejected) is replaced, so a retry runs."""
     try:
         existing = existing_shards(pattern)
     except OSError as e:  # the target folder cannot be listed (no permission)
@@ -161,11 +162,13 @@ def check_nothing_to_overwrite(pattern: str) -> None:
             f"--out: {len(existing)} file(s) already match {pattern!r} (first: {existing[0]}); "
             f"remove them or choose another --out"
         )
-    if os.path.lexists(_rejected_path(pattern)):
-        raise Refused(
-            f"--out: {_rejected_path(pattern)} already exists (an earlier make's rejections); "
-            f"remove it or choose another folder for --out"
-        )
+    stale = rejected_path(pattern)
+    if os.path.lexists(stale):
+        try:
+            os.remove(stale)  # a link is removed, never followed
+        except OSError as e:
+            raise Refused(f"--out: cannot replace {stale} (an earlier make's rejections): {e.strerror or e}") from None
+        print(f"replacing {stale}: an earlier make of this split wrote no shard", file=sys.stderr)
 
 
 def run_make(args, options: ReadOptions) -> MakeResult:
@@ -197,10 +200,6 @@ def run_make(args, options: ReadOptions) -> MakeResult:
         raise Refused(f"{where}{e.strerror or e}; no shard was written and no partial file is left") from None
     echo.close()
     return result
-
-
-def _rejected_path(pattern: str) -> str:
-    return os.path.join(os.path.dirname(pattern) or ".", "rejected.jsonl")
 
 
 # --------------------------------------------------------------------------- verify / inspect
@@ -269,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
         "make",
         help="validate a JSONL manifest's samples and write shards",
         description="Validate every sample of a JSONL manifest (or a folder of them) and write "
-        "the good ones to tar shards; bad ones go to DIR/rejected.jsonl.",
+        "the good ones to tar shards; bad ones go to the split's rejection list beside them "
+        "(DIR/train-rejected.jsonl for DIR/train-%%06d.tar).",
     )
     p.add_argument("source", help="manifest .jsonl, or a folder of .jsonl files")
     p.add_argument("--out", required=True, help="shard pattern, e.g. 'data/train/train-%%06d.tar'")

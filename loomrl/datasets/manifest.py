@@ -258,6 +258,11 @@ class Picked:
     def get(self, name: str) -> object:
         return self.values.get(name)
 
+    def id_so_far(self, default_id: Optional[str]) -> Optional[str]:
+        """The line's id for a message while its fields are picked ("id" is picked first)."""
+        sid = self.get("id")
+        return str(sid) if isinstance(sid, (str, int)) and not isinstance(sid, bool) else default_id
+
     def named(self, name: str) -> str:
         """How a field is named in a message: its key, and the --field that chose it."""
         key = self.keys[name] if name in self.keys else "' or '".join(dict(self.options.fields)[name]) or name
@@ -346,16 +351,17 @@ def pick_fields(obj: dict, options: ReadOptions, default_id: Optional[str] = Non
     for name, keys in options.fields:
         present = [k for k in keys if k in obj]
         if len(present) > 1:
-            sid = picked.get("id")  # read first: "id" has one key
-            sid = str(sid) if isinstance(sid, (str, int)) and not isinstance(sid, bool) else default_id
             raise _bad(
                 f"keys {' and '.join(repr(k) for k in present)} both give the {name}; keep one, "
                 f"or choose with --field {name}=KEY",
-                sid,
+                picked.id_so_far(default_id),
             )
         if present:
             picked.keys[name] = present[0]
             picked.values[name] = obj.pop(present[0])
+        elif name in options.explicit:  # the user said where this field is: a line without it is wrong
+            reason = f"--field {name}={keys[0]}: the line has no {keys[0]!r} key"
+            raise LineError("missing-field", reason, picked.id_so_far(default_id))
     return picked
 
 

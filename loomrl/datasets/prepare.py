@@ -1,4 +1,4 @@
-"""`loomrl shards make`: manifest -> validated media -> shards + rejected.jsonl.
+"""`loomrl shards make`: manifest -> validated media -> shards + the split's rejection list.
 
 Every medium is decoded before it is stored, so a shard never holds a file the
 trainer cannot read:
@@ -14,7 +14,7 @@ trainer cannot read:
   resolves, at half the bytes of float).
 
 A bad sample never stops the job and is never dropped silently: it becomes a
-Rejection (stderr, rejected.jsonl, summary counts). How manifest lines are read
+Rejection (stderr, the rejection list `rejected_path`, summary counts). How manifest lines are read
 (field names, markers placed before a marker-free prompt, media paths kept
 inside the manifest's folder) is `manifest.ReadOptions`; the summary counts the
 written samples whose markers were placed.
@@ -244,15 +244,17 @@ def make_shards(
 ) -> MakeResult:
     """Validate every sample of the manifest(s) at `source` (lines read with
     `options`) and write the good ones with `write_shards`; every rejection goes
-    to `on_reject` and to DIR/rejected.jsonl (DIR = the pattern's folder; written
-    even when empty; an existing one is never overwritten: FileExistsError). On
+    to `on_reject` and to the split's rejection list (`rejected_path`: DIR/train-rejected.jsonl
+    for DIR/train-%06d.tar; written even when empty; an existing one is never overwritten:
+    FileExistsError). progress: a bar on a terminal, else a line on stderr every
+    PROGRESS_SECONDS. On
     failure (an OSError such as a full disk, naming the file) nothing of this
     call is left behind."""
     t0 = time.perf_counter()
     manifest = Manifest.from_source(source)
     out_dir = os.path.dirname(pattern) or "."
     os.makedirs(out_dir, exist_ok=True)
-    outcomes = Outcomes.start(manifest, os.path.join(out_dir, "rejected.jsonl"), on_reject=on_reject, progress=progress)
+    outcomes = Outcomes.start(manifest, rejected_path(pattern), on_reject=on_reject, progress=progress)
     samples = good_samples(manifest, outcomes, options=options, limits=limits, workers=workers)
     try:
         with one_torch_thread():
@@ -267,6 +269,39 @@ def make_shards(
     return outcomes.result
 
 
+PROGRESS_SECONDS = 5.0
+"""Without a terminal (a log file, CI), a progress line this often."""
+
+
+def rejected_path(pattern: str) -> str:
+    """The rejection list of the split a shard pattern writes: beside the shards, named by the
+    pattern's prefix (`shards/train-%06d.tar` -> `shards/train-rejected.jsonl`), so one folder
+    holds several splits; `rejected.jsonl` for a pattern with no prefix (`shards/%06d.tar`)."""
+    prefix = re.split(r"[%{]", os.path.basename(pattern))[0].rstrip("-_.")
+    return os.path.join(os.path.dirname(pattern) or ".", f"{prefix}-rejected.jsonl" if prefix else "rejected.jsonl")
+
+
+@dataclass
+class Ticker:
+    """A progress line on stderr every PROGRESS_SECONDS, for output that is not a terminal."""
+
+    on: bool
+    t0: float = field(default_factory=time.monotonic)
+    last: float = field(default_factory=time.monotonic)
+
+    def tick(self, result: MakeResult) -> None:
+        now = time.monotonic()
+        if self.on and now - self.last >= PROGRESS_SECONDS:
+            self.last = now
+            done = result.samples + len(result.rejected)
+            print(
+                f"shards make: {done} read, {result.samples} written, {len(result.rejected)} rejected "
+                f"({done / (now - self.t0):.0f} samples/s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 @dataclass
 class Pending:
     """A manifest line on its way to the shards: its Rejection, or its Entry and the future of its prepared sample."""
@@ -277,7 +312,7 @@ class Pending:
 
 @dataclass
 class Outcomes:
-    """Where a make's outcomes go: the counts (`result`), rejected.jsonl, the caller's
+    """Where a make's outcomes go: the counts (`result`), the rejection list, the caller's
     `on_reject` and the progress bar."""
 
     result: MakeResult
@@ -285,12 +320,13 @@ class Outcomes:
     rejected_path: str
     on_reject: Callable[[Rejection], None]
     bar: tqdm
+    ticker: Ticker
 
     @classmethod
     def start(
-        cls, manifest: Manifest, rejected_path: str, *, on_reject: Callable[[Rejection], None], progress: bool
+        cls, manifest: Manifest, rejected_to: str, *, on_reject: Callable[[Rejection], None], progress: bool
     ) -> "Outcomes":
-        """The bar, and rejected.jsonl created (never overwritten: FileExistsError)."""
+        """The bar, and the rejection list created (never overwritten: FileExistsError)."""
         bar = tqdm(
             total=manifest.count_lines() if progress else None,
             disable=not progress,
@@ -298,12 +334,12 @@ class Outcomes:
             desc="shards make",
             dynamic_ncols=True,
         )
-        try:  # "x": an earlier make's rejections (another pattern in this folder) are never overwritten
-            rejected = open(rejected_path, "x", buffering=1)
+        try:  # "x": an earlier make's rejections are never overwritten
+            rejected = open(rejected_to, "x", buffering=1)
         except OSError:
             bar.close()
             raise
-        return cls(MakeResult(), rejected, rejected_path, on_reject, bar)
+        return cls(MakeResult(), rejected, rejected_to, on_reject, bar, Ticker(on=not progress))
 
     def reject(self, r: Rejection) -> None:
         self.result.rejected.append(r)
@@ -320,6 +356,7 @@ class Outcomes:
         out = p.item if p.future is None else p.future.result()
         if isinstance(out, Rejection):
             self.reject(out)
+            self.ticker.tick(self.result)
             return None
         assert isinstance(p.item, Entry)
         self.result.samples += 1
@@ -327,10 +364,11 @@ class Outcomes:
         for kind, _, data in out["media"]:
             self.result.media[kind] += 1
             self.result.media_bytes += len(data)
+        self.ticker.tick(self.result)
         return out
 
     def discard_rejected(self) -> None:
-        """Close and remove rejected.jsonl, after a failure."""
+        """Close and remove the rejection list, after a failure."""
         for step in (self.rejected.close, lambda: os.remove(self.rejected_path)):
             try:
                 step()
@@ -381,7 +419,7 @@ def print_rejection(r: Rejection) -> None:
 
 class RejectionEcho:
     """`on_reject` for the command line: the first `limit` rejections on stderr, then only counted
-    (rejected.jsonl has them all); `close()` says how many were not shown."""
+    (the rejection list has them all); `close()` says how many were not shown."""
 
     def __init__(self, limit: int = 20):
         self.limit, self.seen = limit, 0
@@ -392,11 +430,13 @@ class RejectionEcho:
             print_rejection(r)
         elif self.seen == self.limit + 1:
             print(
-                "... more rejections are counted but not shown here (all are in rejected.jsonl)",
+                "... more rejections are counted but not shown here (all are in the rejection list)",
                 file=sys.stderr,
                 flush=True,
             )
 
     def close(self) -> None:
         if self.seen > self.limit:
-            print(f"{self.seen - self.limit} more rejection(s) not shown above; see rejected.jsonl", file=sys.stderr)
+            print(
+                f"{self.seen - self.limit} more rejection(s) not shown above; see the rejection list", file=sys.stderr
+            )
