@@ -72,10 +72,12 @@ def dry_run(recipe) -> int:
     from loomrl.platform import recipe as R
     from loomrl.platform.parts import check_text_parts
 
-    check_text_parts(recipe)  # the tokenizer, chat template and checkpoint's media tokens, as a run
+    notes = check_text_parts(recipe)  # the tokenizer, chat template, media tokens and the data's media, as a run
     print(R.dump(recipe), end="")
     for problem in R.file_problems(recipe):  # a recipe for another machine names its paths
         print(f"# note: not on this machine: {problem}", file=sys.stderr)
+    for note in notes:
+        print(f"# note: {note}", file=sys.stderr)
     print("# recipe OK", file=sys.stderr)
     return 0
 

@@ -3,6 +3,7 @@ tokenizer from the checkpoint folder; a recipe value that disagrees is an error 
 values and the file (also from `loomrl run --dry-run`); the policy has exactly the checkpoint's towers."""
 
 import json
+import random
 import shutil
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 from qwen_checkpoints import SPECIAL, _qwen2_vl, _tokenizer
 
 from loomrl.cli import main
+from loomrl.datasets.demo import make_sample, write_demo_shards
+from loomrl.datasets.shards import write_shards
 from loomrl.encoders.media import Medium
 from loomrl.platform.backbone.tokenizer import load_tokenizer
 from loomrl.platform.backbone.vlm import build_policy
@@ -114,6 +117,32 @@ def test_dry_run_reports_a_conflict_and_accepts_the_clean_recipe(qwen2_vl, tmp_p
     assert "  num_heads: 2\n" in out and "  num_kv_heads: 1\n" in out and f"  tokenizer: {folder}\n" in out
     assert main(["run", str(recipe), "--dry-run", "model.hidden_size=32"]) == 2
     assert "model.hidden_size: 32 conflicts with" in capsys.readouterr().err
+
+
+def test_dry_run_counts_and_names_samples_the_model_cannot_read(qwen2_vl, tmp_path, capsys):
+    """Audio on a vision-only checkpoint: counted at --dry-run (a run skips them), not met mid-run;
+    a split with no readable sample is refused."""
+    folder, _ = qwen2_vl
+    write_demo_shards(str(tmp_path / "mixed"), 6, 3, 0)  # image, audio, both, image, audio, both
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: mine\nmodel:\n  init_from: {folder}\ndata:\n  shards: {tmp_path}/mixed/*.tar\n")
+    assert main(["run", str(recipe), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "recipe OK" in err
+    assert "note: data.shards: 4 of 6 samples will be skipped: 4 with audio, which the model" in err, err
+    assert "(it reads: image); first: " in err and "mixed/demo-000000.tar:" in err
+    # the demo policy reads both: no note
+    assert main(["run", DEMO, "--dry-run", f"data.shards={tmp_path}/mixed/*.tar"]) == 0
+    assert "will be skipped" not in capsys.readouterr().err
+    # a split with audio only: nothing left to train on, refused before the run
+    rng = random.Random(0)
+    clips = [x for x in (make_sample(i, rng) for i in range(6)) if [k for k, _, _ in x["media"]] == ["audio"]]
+    (tmp_path / "audio").mkdir()
+    write_shards(clips, str(tmp_path / "audio" / "a-%06d.tar"), 10)
+    recipe.write_text(f"name: mine\nmodel:\n  init_from: {folder}\ndata:\n  shards: {tmp_path}/audio/*.tar\n")
+    assert main(["run", str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "data.shards: none of its" in err and "with audio" in err and "recipe OK" not in err
 
 
 def test_unreadable_or_unbuildable_checkpoints_name_the_file(qwen2_vl, tmp_path, capsys):

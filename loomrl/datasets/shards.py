@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import tarfile
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterable, Iterator, Optional
 
@@ -467,3 +468,29 @@ def read_shards(files: list[str], max_member_bytes: int = MAX_MEMBER_BYTES) -> I
         with open_shard(f) as fh:
             for ref in scan_shard(f, max_member_bytes):
                 yield load_sample(fh, ref)
+
+
+@dataclass
+class MediaCensus:
+    """Samples of some shards that hold a medium the model cannot read (`media_census`)."""
+
+    samples: int = 0
+    unreadable: int = 0  # samples holding at least one medium of a kind not readable
+    kinds: Counter = field(default_factory=Counter)  # unreadable kind -> samples holding it
+    first: str = ""  # "shard:key" of the first such sample
+
+
+def media_census(files: list[str], readable: set[str], max_member_bytes: int = MAX_MEMBER_BYTES) -> MediaCensus:
+    """Count the samples of `files` holding media of kinds not in `readable`, from the headers
+    alone (the tar index and each sample's .json; no medium is read). ShardError on a damaged shard."""
+    census = MediaCensus()
+    for f in files:
+        with open_shard(f) as fh:
+            for ref in scan_shard(f, max_member_bytes):
+                census.samples += 1
+                kinds = {m["kind"] for m in read_header(fh, ref).get("media", [])} - readable
+                if kinds:
+                    census.unreadable += 1
+                    census.kinds.update(kinds)
+                    census.first = census.first or f"{ref.shard}:{ref.key}"
+    return census

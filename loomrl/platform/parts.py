@@ -12,8 +12,11 @@ from typing import Optional
 
 import torch
 
+from loomrl.datasets.shards import ShardError, media_census
 from loomrl.datasets.source import PromptSample, PromptSource
+from loomrl.encoders.hf_checkpoint import read_config
 from loomrl.platform import recipe as R
+from loomrl.platform.backbone.tokenizer import readable_media
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 
 log = logging.getLogger("loomrl")
@@ -50,7 +53,6 @@ def text_parts(recipe: R.Recipe):
     """(tokenizer, chat format) of the recipe, checked against the checkpoint without building the
     model: the tokenizer loads, the chat template renders, the checkpoint's media tokens are the
     tokenizer's. Anything wrong is a RecipeError naming the key (`--dry-run` runs this too)."""
-    from loomrl.encoders.hf_checkpoint import read_config
     from loomrl.platform.backbone.chat import ChatFormat
     from loomrl.platform.backbone.tokenizer import load_tokenizer, media_layout
 
@@ -67,13 +69,43 @@ def text_parts(recipe: R.Recipe):
     return tokenizer, ChatFormat(tokenizer, recipe.data)
 
 
-def check_text_parts(recipe: R.Recipe) -> None:
-    """`text_parts` where its files are on this machine (a recipe for a cluster: nothing)."""
+def check_text_parts(recipe: R.Recipe) -> list[str]:
+    """`text_parts` and `check_media` where their files are on this machine (a recipe for a
+    cluster: nothing); the notes `check_media` makes."""
     m = recipe.model
     if (m.tokenizer == "demo" or Path(m.tokenizer).is_dir()) and (
         m.init_from is None or (Path(m.init_from) / "config.json").is_file()
     ):
-        text_parts(recipe)
+        tokenizer, _ = text_parts(recipe)
+        return check_media(recipe, tokenizer)
+    return []
+
+
+def check_media(recipe: R.Recipe, tokenizer) -> list[str]:
+    """The samples of the run's shards (and validation split) that hold a medium the model cannot
+    read (audio for a vision-only checkpoint), counted from the shards' headers: a note naming the
+    first, as a run skips them; a RecipeError when no sample of a split is readable."""
+    m = recipe.model
+    hf = read_config(m.init_from) if m.init_from is not None else None
+    readable = {k for k, tokens in readable_media(tokenizer, hf, f"{m.init_from}/config.json").items() if tokens}
+    notes = []
+    for key, pattern in (("data.shards", recipe.data.shards), ("validation.shards", recipe.validation.shards)):
+        files = R.expand_pattern(pattern) if pattern else []
+        try:
+            census = media_census(files, readable)
+        except (ShardError, OSError) as e:
+            raise R.RecipeError(f"{key}: {e}") from None
+        if not census.unreadable:
+            continue
+        what = (
+            f"{', '.join(f'{n} with {k}' for k, n in sorted(census.kinds.items()))}, which the model "
+            f"(model.init_from={m.init_from!r}) cannot read (it reads: {', '.join(sorted(readable)) or 'text only'}); "
+            f"first: {census.first}"
+        )
+        if census.unreadable == census.samples:
+            raise R.RecipeError(f"{key}: none of its {census.samples} samples can be used: {what}")
+        notes.append(f"{key}: {census.unreadable} of {census.samples} samples will be skipped: {what}")
+    return notes
 
 
 def build_policy_parts(recipe: R.Recipe, seed: Optional[int] = None):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from loomrl.encoders.base import TEXT_CHECKPOINTS, MediaTokens, modalities, token_id
+from loomrl.encoders.base import TEXT_CHECKPOINTS, MediaTokens, checkpoint_towers, modalities, token_id
 
 # The demo tokenizer's vocabulary starts with these (their ids are fixed: a new modality does
 # not shift the demo's words; the demo reads images and audio)
@@ -81,3 +81,14 @@ def media_layout(
             "names no checkpoint whose config.json gives the media tokens"
         )
     return out
+
+
+def readable_media(
+    tokenizer, hf_config: Optional[dict] = None, where: str = "config.json"
+) -> dict[str, Optional[MediaTokens]]:
+    """What a policy reads: each modality's MediaTokens when the model has its tower and its
+    tokens (the demo: every tower; a checkpoint: the towers of its model type), else None (a
+    prompt with that medium is refused, a sample with it skipped)."""
+    kinds = [m.name for m in modalities()] if hf_config is None else checkpoint_towers(hf_config, where)
+    layout = media_layout(tokenizer, hf_config, where) if kinds else {}
+    return {m.name: layout.get(m.name) if m.name in kinds else None for m in modalities()}

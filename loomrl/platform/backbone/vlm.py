@@ -51,7 +51,7 @@ from loomrl.platform.backbone.hf_io import decoder_config, load_policy
 from loomrl.platform.backbone.lora import apply_lora
 from loomrl.platform.backbone.mrope import rope_index
 from loomrl.platform.backbone.rounding import Regions
-from loomrl.platform.backbone.tokenizer import media_layout
+from loomrl.platform.backbone.tokenizer import readable_media
 from loomrl.platform.engines.config import ENCODER_PARTS, FREEZE_PARTS
 from loomrl.platform.placement import to_device, to_host
 
@@ -76,10 +76,8 @@ class VLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         where = f"{cfg.init_from}/config.json"
-        kinds = [m.name for m in modalities()] if hf_config is None else checkpoint_towers(hf_config, where)
-        layout = media_layout(tokenizer, hf_config, where) if kinds else {}
         # kind -> MediaTokens | None (None: the model cannot read that medium; a prompt using it is refused)
-        self.media_tokens_of = {m.name: layout.get(m.name) if m.name in kinds else None for m in modalities()}
+        self.media_tokens_of = readable_media(tokenizer, hf_config, where)
         self.pad_token_id = tokenizer.pad_token_id
         self.eos_token_id = tokenizer.eos_token_id
         vocab_size = len(tokenizer)
@@ -109,7 +107,7 @@ class VLM(nn.Module):
                 setattr(self, attr, None)
             if hf_config is None:  # the demo: every tower, from the recipe's sizes
                 m.build_demo(self, cfg)
-            elif m.name in kinds:
+            elif m.name in checkpoint_towers(hf_config, where):
                 m.build_from_checkpoint(self, hf_config, where)
         self.language_model = Decoder(language_model_config(cfg, vocab_size))
         for module in [*(x for m in modalities() for x in m.reinitialised(self)), *self.language_model.modules()]:
