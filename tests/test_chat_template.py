@@ -94,3 +94,50 @@ def test_media_expand_inside_the_turn_and_padding_is_never_sampled(tmp_path):
     ]
     assert n >= 1 and user == ids[ids.index(t("user")) - 1 : ids.index(end, ids.index(t("user"))) + 1]
     assert ids[-2:] == [t("<|im_start|>"), t("assistant")]
+
+
+def test_a_multi_turn_sample_is_rendered_whole_and_sft_trains_every_reply(tmp_path):
+    """A conversation (meta.conversation + the prompt as the last user turn): RL's prompt is the
+    whole rendered history; SFT's loss covers exactly each assistant reply and its end-of-turn
+    token plus the answer, checked token by token against a hand-written sequence."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from qwen_checkpoints import _qwen2_vl
+
+    from loomrl.datasets.shards import write_shards
+    from loomrl.datasets.source import PromptSource
+    from loomrl.datasets.stream import ShardStream
+    from loomrl.platform import recipe as R
+    from loomrl.platform.parts import build_policy_parts
+    from loomrl.platform.supervised import SupervisedSteps
+    from loomrl.platform.trajectory.batch import collate
+
+    _qwen2_vl(
+        tmp_path / "ckpt", words=["system", "user", "assistant", "what", "cat", "dog"], chat_template=CHAT_TEMPLATE
+    )
+    recipe = R.load_recipe(None, [f"model.init_from={tmp_path / 'ckpt'}"], files=False)
+    tok, chat, model = build_policy_parts(recipe)
+    buf = io.BytesIO()
+    Image.fromarray(np.full((56, 56, 3), 90, np.uint8)).save(buf, format="PNG")
+    conversation = [{"role": "user", "content": "<image>what"}, {"role": "assistant", "content": "cat"}]
+    sample = {"id": "a", "prompt": "what", "answer": "dog", "meta": {"conversation": conversation}}
+    write_shards([{**sample, "media": [("image", "img0.png", buf.getvalue())]}], str(tmp_path / "s-%d.tar"), 10)
+    stream = ShardStream([str(tmp_path / "s-0.tar")], shuffle_buffer=0, epochs=1, rank=0, world_size=1)
+    (s,) = PromptSource(stream, model, tok, model.cfg, render=chat.render, pieces=chat.pieces).next(1)
+
+    t = tok.convert_tokens_to_ids
+    start, end, n = t("<|im_start|>"), t("<|im_end|>"), model.media_tokens(s.media[0])
+    system = [start, t("system"), *tok("You are a helpful assistant.", add_special_tokens=False)["input_ids"], end]
+    image = [t("<|vision_start|>"), *[t("<|image_pad|>")] * n, t("<|vision_end|>")]
+    context1 = [*system, start, t("user"), *image, t("what"), end, start, t("assistant")]
+    context2 = [start, t("user"), t("what"), end, start, t("assistant")]
+    assert s.ids == [*context1, t("cat"), end, *context2]  # RL's prompt: the whole history
+    traj = SupervisedSteps.multi_turn_trajectory(s, [t("dog"), end])
+    mb = collate([traj], model.pad_token_id)
+    seq = mb.input_ids[0].tolist()
+    trained = [seq[j + 1] for j in range(len(seq) - 1) if mb.loss_mask[0, j] == 1]
+    assert seq == [*context1, t("cat"), end, *context2, t("dog"), end]
+    assert trained == [t("cat"), end, t("dog"), end]  # the replies and their end-of-turn; no user or template token
+    assert traj.trained_tokens() == 4

@@ -19,11 +19,45 @@ from typing import Callable, Iterator, Optional
 
 from loomrl.config import RecipeError
 from loomrl.datasets.stream import ShardStream
-from loomrl.encoders.base import load_medium
+from loomrl.encoders.base import load_medium, modalities
 from loomrl.encoders.media import Medium, data_error
 from loomrl.platform.backbone.config import ModelConfig
 
 log = logging.getLogger(__name__)
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def conversation_of(rec: dict) -> list[dict]:
+    """The turns before a sample's prompt (`meta.conversation`, multi-turn data), each {role,
+    content}; [] for a single-turn sample. ValueError for a value of another shape."""
+    meta = rec.get("meta")
+    turns = meta.get("conversation") if isinstance(meta, dict) else None
+    if turns is None:
+        return []
+    if not isinstance(turns, list) or not all(
+        isinstance(t, dict) and t.get("role") in ROLES and isinstance(t.get("content"), str) for t in turns
+    ):
+        raise ValueError("meta.conversation must be a list of {role: system|user|assistant, content: text}")
+    return [{"role": t["role"], "content": t["content"]} for t in turns]
+
+
+def reply_mask(model, tokenizer, pieces: list[tuple[str, bool]], media: list[Medium], ids: list[int]) -> list[int]:
+    """1 on the token ids of the reply pieces and the end-of-turn token after each, 0 elsewhere:
+    each piece tokenized with its own media, which must give `ids` (the whole prompt's tokens)."""
+    markers = [m.marker for m in modalities()]
+    out, mask, rest = [], [], list(media)
+    for text, reply in pieces:
+        n = sum(text.count(marker) for marker in markers)
+        part = model.prompt_ids(tokenizer, text, rest[:n])
+        rest = rest[n:]
+        after_reply = not reply and mask and mask[-1] == 1 and part[:1] == [model.eos_token_id]
+        mask += [1] + [0] * (len(part) - 1) if after_reply else [int(reply)] * len(part)
+        out += part
+    if out != ids or 1 not in mask:
+        raise ValueError("its conversation does not tokenize the same cut at the replies as whole")
+    return mask
 
 
 @dataclass
@@ -31,6 +65,7 @@ class PromptSample:
     record: dict  # id, prompt, answer, meta (what rewards see)
     ids: list[int]  # prompt token ids, markers expanded
     media: list[Medium]
+    reply_mask: Optional[list[int]] = None  # multi-turn: 1 on the ids of the earlier assistant replies
 
     @property
     def id(self) -> str:
@@ -45,11 +80,15 @@ class PromptSource:
         tokenizer,
         cfg: ModelConfig,
         media_cache: int = 4096,
-        render: Optional[Callable[[str], str]] = None,
+        render: Optional[Callable[..., str]] = None,
+        pieces: Optional[Callable[[str, list], list]] = None,
     ):
-        """render: the prompt text -> the model's input text (a chat template); None: as written."""
+        """render: (the prompt text, the earlier turns of its conversation) -> the model's input
+        text (a chat template's `render`); None: as written (a multi-turn sample is then skipped).
+        pieces: the same text cut at the earlier assistant replies (`ChatFormat.pieces`), for
+        `reply_mask`."""
         self.stream = stream
-        self.render = render
+        self.render, self.pieces = render, pieces
         self.require_answer = False  # supervised use: a sample without an answer is skipped (and counted)
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.skipped: list[tuple[str, str]] = []
@@ -84,8 +123,14 @@ class PromptSource:
             return None
         try:
             media = [self._medium(kind, digest, data) for kind, digest, data in rec["media"]]
-            text = rec["prompt"] if self.render is None else self.render(rec["prompt"])
+            history = conversation_of(rec)
+            if self.render is None and history:
+                raise ValueError("a multi-turn sample (meta.conversation) needs a chat template (data.chat_template)")
+            text = rec["prompt"] if self.render is None else self.render(rec["prompt"], history)
             ids = self.model.prompt_ids(self.tokenizer, text, media)
+            replies = None
+            if self.pieces is not None and any(t["role"] == "assistant" for t in history):
+                replies = reply_mask(self.model, self.tokenizer, self.pieces(rec["prompt"], history), media, ids)
         except Exception as e:  # a bad sample is reported and counted, never silently lost
             self._skip(rec.get("source", rec.get("id", "?")), data_error(e))
             return None
@@ -93,7 +138,7 @@ class PromptSource:
             self._skip(rec.get("source", rec.get("id", "?")), "the sample has no answer to learn (supervised training)")
             return None
         record = {k: rec[k] for k in ("id", "prompt", "answer", "meta") if k in rec}
-        return PromptSample(record, ids, media)
+        return PromptSample(record, ids, media, replies)
 
     def next(self, k: int) -> list[PromptSample]:
         """The next k usable samples (epochs roll over)."""

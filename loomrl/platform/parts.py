@@ -141,7 +141,7 @@ def prompt_source(recipe: R.Recipe, files: list[str], model, tokenizer, chat, on
         world_size=1,
         epochs=1 if one_pass else None,
     )
-    return PromptSource(stream, model, tokenizer, recipe.model, render=chat.render)
+    return PromptSource(stream, model, tokenizer, recipe.model, render=chat.render, pieces=chat.pieces)
 
 
 def configure_torch(cfg: R.TrainingConfig) -> None:

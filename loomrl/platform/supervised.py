@@ -76,12 +76,27 @@ class SupervisedSteps:
 
     def sft_batch(self, samples: list, targets: list[str]) -> list[MicroBatch]:
         """Micro-batches teaching each sample's target text, ended by the stop token (the chat
-        template's end-of-turn, else EOS); the loss covers only these tokens, not the prompt."""
+        template's end-of-turn, else EOS); the loss covers only these tokens, not the prompt. A
+        multi-turn sample also teaches its earlier assistant turns (`multi_turn_trajectory`)."""
         model, trajs = self.model, []
         for s, text in zip(samples, targets):
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [model.eos_token_id]
-            trajs.append(Trajectory(s.id, 0, s.ids, ids, s.media, [0.0] * len(ids), 0.0, 0))
+            if s.reply_mask is not None:
+                trajs.append(self.multi_turn_trajectory(s, ids))
+            else:
+                trajs.append(Trajectory(s.id, 0, s.ids, ids, s.media, [0.0] * len(ids), 0.0, 0))
         return micro_batches(trajs, model.pad_token_id, self.recipe.training.micro_batch_size, device=model.device)
+
+    @staticmethod
+    def multi_turn_trajectory(s, target: list[int]) -> Trajectory:
+        """A multi-turn sample as one sequence: its prompt (the rendered conversation) then `target`;
+        the loss on every earlier assistant reply (`PromptSample.reply_mask`) and on `target`, the
+        template's text and the user turns between the replies are context."""
+        first = s.reply_mask.index(1)
+        completion, trained = s.ids[first:] + target, s.reply_mask[first:] + [1] * len(target)
+        return Trajectory(
+            s.id, 0, s.ids[:first], completion, s.media, [0.0] * len(completion), 0.0, 0, completion_mask=trained
+        )
 
     def sft_step(self, step: int) -> dict:
         """One supervised step (`algorithm.name: sft`): training.prompts_per_step samples with answers,

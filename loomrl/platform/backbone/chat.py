@@ -14,6 +14,12 @@ The markers pass through the template as text and are expanded afterwards
 (`VLM.prompt_ids`: `<|vision_start|>`, the placeholders, `<|vision_end|>`), which is
 what Qwen-VL's own processor writes for an image part placed before the text.
 
+A multi-turn sample (`meta.conversation`: the turns before its prompt, each {role, content},
+markers in the content) is rendered whole: system, the earlier turns, then the prompt as the last
+user turn, so RL sees the history. SFT trains on every assistant turn of it (`pieces`: the rendered
+conversation cut at each reply, the replies marked trained) and on the answer. A conversation needs
+a chat template: without one such a sample is skipped, named and counted.
+
 A completion ends at the template's end-of-turn token (`<|im_end|>` for Qwen), found by
 rendering a two-turn conversation and reading the first special token after the
 assistant's text; SFT targets end with it too, so what SFT teaches is what rollouts stop at.
@@ -74,9 +80,9 @@ class ChatFormat:
                 f"data.chat_template: the template fails to render a conversation: {type(e).__name__}: {e}"
             ) from None
 
-    def _messages(self, text: str) -> list[dict]:
+    def _messages(self, text: str, history: list[dict] | None = None) -> list[dict]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + [{"role": "user", "content": text}]
+        return system + list(history or []) + [{"role": "user", "content": text}]
 
     def _end_of_turn(self) -> int:
         """The first special token the template writes after an assistant turn's text."""
@@ -104,11 +110,34 @@ class ChatFormat:
         )
         return self.tokenizer.eos_token_id
 
-    def render(self, prompt: str) -> str:
-        """The model's input text for one prompt (markers kept for `VLM.prompt_ids`)."""
+    def render(self, prompt: str, history: list[dict] | None = None) -> str:
+        """The model's input text for one prompt, after the earlier turns of its conversation
+        (`history`; markers kept for `VLM.prompt_ids`)."""
         if self.template is None:
+            if history:
+                raise ValueError("a multi-turn sample (meta.conversation) needs a chat template (data.chat_template)")
             return prompt
-        return self._apply(self._messages(prompt), True)
+        return self._apply(self._messages(prompt, history), True)
+
+    def pieces(self, prompt: str, history: list[dict]) -> list[tuple[str, bool]]:
+        """The rendered conversation (as `render`) cut into (text, is_reply) pieces: each earlier
+        assistant turn's content is a reply piece, what the template writes around it is not.
+        ValueError when the template does not render a conversation's start as a prefix of it."""
+        messages = self._messages(prompt, history)
+        full = self.render(prompt, history)
+        out, pos = [], 0
+        for j, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self._apply(messages[:j], True)  # ends with the generation prompt of turn j
+            if not (full.startswith(before) and full.startswith(m["content"], len(before))):
+                raise ValueError(
+                    f"the chat template does not write assistant turn {j} after the turns before it as they "
+                    f"render alone; its replies cannot be trained on"
+                )
+            out += [(full[pos : len(before)], False), (m["content"], True)]
+            pos = len(before) + len(m["content"])
+        return out + [(full[pos:], False)]
 
     def describe(self) -> str:
         if self.template is None:

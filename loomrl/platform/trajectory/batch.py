@@ -24,6 +24,12 @@ class Trajectory:
     version: int  # policy version that generated it
     advantage: float = 0.0
     reward_parts: dict = field(default_factory=dict)  # reward source name -> its score
+    # which completion tokens are trained (1) and which are context (0): a multi-turn SFT sample's
+    # user turns between its assistant replies; None: every completion token
+    completion_mask: Optional[list[int]] = None
+
+    def trained_tokens(self) -> int:
+        return len(self.completion_ids) if self.completion_mask is None else sum(self.completion_mask)
 
 
 def rollout_trajectories(prompts: list, rollouts: list) -> list[Trajectory]:
@@ -74,7 +80,8 @@ def collate(trajs: list[Trajectory], pad_id: int, device: torch.device = torch.d
         p, n = len(t.prompt_ids), len(t.completion_ids)
         ids[i, : len(seq)] = torch.tensor(seq)
         attn[i, : len(seq)] = 1
-        loss_mask[i, p - 1 : p - 1 + n] = 1  # position j predicts token j+1
+        # position j predicts token j+1
+        loss_mask[i, p - 1 : p - 1 + n] = 1 if t.completion_mask is None else torch.tensor(t.completion_mask)
         rollout_logp[i, p - 1 : p - 1 + n] = torch.tensor(t.rollout_logprobs)
     adv = torch.tensor([t.advantage for t in trajs], dtype=torch.float32)
     ids, attn, loss_mask, adv, rollout_logp = (to_device(x, device) for x in (ids, attn, loss_mask, adv, rollout_logp))
@@ -99,7 +106,7 @@ def micro_batches(
     `micro_batch_size`. device: where the tensors go (the model's)."""
     chunks = split(trajs, micro_batch_size) if rows is None else [[trajs[i] for i in idx] for idx in rows]
     mbs = [collate(c, pad_id, device) for c in chunks]
-    total = float(sum(len(t.completion_ids) for t in trajs))  # the loss masks' sum, counted on the host
+    total = float(sum(t.trained_tokens() for t in trajs))  # the loss masks' sum, counted on the host
     for mb in mbs:
         mb.normaliser = total
         mb.sequences = len(trajs)
