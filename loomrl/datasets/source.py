@@ -79,6 +79,7 @@ class PromptSource:
         model,
         tokenizer,
         cfg: ModelConfig,
+        *,
         media_cache: int = 4096,
         render: Optional[Callable[..., str]] = None,
         pieces: Optional[Callable[[str, list], list]] = None,
