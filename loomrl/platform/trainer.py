@@ -9,17 +9,21 @@ algorithm. It owns the run's state and hands work to its parts, with a fixed lif
     trainer.train()       steps until training.steps (or --max-steps), checkpoints
       validate()            every validation.every steps and at the end: greedy completions of
                             the held-out prompts, scored by the run's rewards (`val_*`)
-      step(s)               RL: admitted mini-batches from the source -> layout -> old / reference
-                            log-probs, values -> advantages -> the engine's optimizer steps
-                            (weights to the source after each) -> the step's metrics row
-                            SFT (`algorithm.name: sft`): samples with answers -> one optimizer
-                            step on the answer tokens (the warm-up before RL runs this code too)
+      step(s)               RL (`rl_step.py`): admitted mini-batches from the source -> layout ->
+                            old / reference log-probs, values -> advantages -> the engine's
+                            optimizer steps (weights to the source after each) -> the step's
+                            metrics row
+                            SFT (`supervised.py`, `algorithm.name: sft`): samples with answers ->
+                            one optimizer step on the answer tokens (the warm-up before RL runs
+                            this code too)
       save(s)               atomic checkpoint of every part's state
     trainer.close()       the source (rollout engine, workers), logs
 
 Where rollouts come from is the source's business (`trajectory/sources.py`): everything
-after admission is written once, here. Every phase of a step is timed the same way
-(`Phases`) and lands in the row as `<phase>_s`.
+after admission is written once, in `rl_step.py`. Every phase of a step is timed the same
+way (`Phases`) and lands in the row as `<phase>_s`. The Trainer is assembled from mixins, one
+idea each: `SupervisedSteps` (supervised.py), `RLSteps` (rl_step.py), `Validation`
+(validation.py); the run's bookkeeping types are in run_state.py.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import hashlib
 import json
 import logging
 import sys
@@ -37,18 +40,14 @@ from typing import Optional
 
 import torch
 
-from loomrl.platform import faults
 from loomrl.platform import recipe as R
 from loomrl.platform.algorithms import ALGORITHMS
-from loomrl.platform.algorithms.advantages import assign_advantages
 from loomrl.platform.algorithms.critic import ValueHead, build_critic
-from loomrl.platform.algorithms.losses import critic_loss_fn, policy_loss_fn
 from loomrl.platform.checkpoint import blame, check_run_state, load_checkpoint, load_extra_model, save_checkpoint
-from loomrl.platform.engines.base import allreduce_max, load_exported, world
-from loomrl.platform.engines.torch_engine import autocast
+from loomrl.platform.engines.base import load_exported, world
 from loomrl.platform.metrics import MetricsLog, read_metrics
 from loomrl.platform.parts import configure_torch, shard_files
-from loomrl.platform.placement import TRANSFERS, memory_row
+from loomrl.platform.rl_step import RLSteps
 from loomrl.platform.run_state import (  # noqa: F401 (re-exported: the trainer's public names)
     Interrupted,
     NoLog,
@@ -63,34 +62,12 @@ from loomrl.platform.run_state import (  # noqa: F401 (re-exported: the trainer'
     value_metrics,
 )
 from loomrl.platform.supervised import SupervisedSteps
-from loomrl.platform.trajectory.batch import MicroBatch, Trajectory
-from loomrl.platform.trajectory.layout import layout
 from loomrl.platform.validation import Validation
 
 log = logging.getLogger("loomrl")
 
 
-@torch.no_grad()
-def fill_logprobs(
-    model, mbs: list[MicroBatch], temperature: float, attr: Optional[str], value_head: Optional[ValueHead] = None
-) -> None:
-    """Set mb.<attr> to the model's log-probs; with value_head also mb.values from the same
-    forward (attr None: only the values)."""
-    model.eval()
-    encodings = None
-    if model.cfg.encoders.dedup:  # every distinct medium of the batch once (cached if the rollout did it)
-        encodings = model.encode_media([m for mb in mbs for row in mb.media for m in row])
-    for mb in mbs:
-        out = model.sequence_logprobs(
-            mb.input_ids, mb.attention_mask, mb.media, temperature, encodings, return_hidden=value_head is not None
-        )
-        if attr is not None:
-            setattr(mb, attr, out[0])
-        if value_head is not None:
-            mb.values = value_head(out[2]).float()  # FP32 whatever the forward's precision
-
-
-class Trainer(SupervisedSteps, Validation):
+class Trainer(SupervisedSteps, RLSteps, Validation):
     """One run of a recipe into `out` (see the module docstring for the lifecycle).
 
     resume_from: a checkpoint folder to continue from exactly. max_steps: stop (with a
@@ -263,185 +240,17 @@ class Trainer(SupervisedSteps, Validation):
             generator=generator,
         )
 
-    # ------------------------------------------------------------------ validation
+    # ------------------------------------------------------------------ one step
 
-    @torch.no_grad()
-
-    # ------------------------------------------------------------------ one RL step
-
-    def prepare(self, queue: list[tuple[list[Trajectory], list[MicroBatch]]]) -> dict:
-        """Old and reference log-probs, values and advantages of every mini-batch the source
-        admitted together, before any of them is trained (the colocated source admits the
-        whole step: pi_old is then the policy that generated it)."""
-        a, ro = self.recipe.algorithm, self.recipe.rollout
-        trajs = [t for ts, _ in queue for t in ts]
-        mbs = [mb for _, m in queue for mb in m]
-        head = self.value_head
-        # the training forward's precision (training.precision), so ratios and KL compare like with like
-        with autocast(self.recipe.training.precision, self.model):
-            if a.epochs > 1 or len(queue) > 1:  # the policy moves before some tokens are trained on
-                fill_logprobs(self.model, mbs, ro.temperature, "old_logp", head)
-            elif head is not None:
-                fill_logprobs(self.model, mbs, ro.temperature, None, head)
-            if self.critic is not None:
-                with torch.no_grad():
-                    self.critic.eval()
-                    for mb in mbs:
-                        mb.values = self.critic(mb).float()
-            if self.ref_model is not None:
-                fill_logprobs(self.ref_model, mbs, ro.temperature, "ref_logp")
-        rewards = torch.tensor([t.reward for t in trajs])
-        return assign_advantages(a, ro.n, rewards, trajs, mbs)
-
-    def update(self, mbs: list[MicroBatch], loss_fn, shared, totals: dict, critic_totals: dict) -> None:
-        """One optimizer step of the policy (and the separate critic) on a mini-batch."""
-        for k, v in self.engine.train_mini_batch(mbs, loss_fn, shared).items():
-            totals[k] = totals.get(k, 0.0) + v
-        if self.critic_engine is not None:
-            for k, v in self.critic_engine.train_mini_batch(mbs, critic_loss_fn(self.recipe)).items():
-                critic_totals[k] = critic_totals.get(k, 0.0) + v
-        self.version += 1
+    def step(self, step: int) -> dict:
+        """One step of the run: supervised (`sft_step`, supervised.py) or RL (`rl_step`, rl_step.py)."""
+        return self.sft_step(step) if self.sft else self.rl_step(step)
 
     def sync_policy(self) -> None:
         """DeepSpeed / Megatron train their own copy: its full HF-layout weights -> the policy
         the rollouts use (collective on every trainer rank)."""
         if self.engine.model is not self.model:
             load_exported(self.model, self.engine.export_weights())
-
-    def step(self, step: int) -> dict:
-        if self.sft:
-            return self.sft_step(step)
-        from loomrl.encoders.cache import SharedEncodings
-
-        r, a, tr = self.recipe, self.recipe.algorithm, self.recipe.training
-        phases = Phases()
-        t_step = time.perf_counter()
-        TRANSFERS.take()  # count this step's copies from here
-        faults.current_step = step
-        if scheduled(tr):  # a function of the step, so a resume sets it again
-            self.engine.set_lr(rl_lr(tr, step))
-        shared = (
-            SharedEncodings(self.engine.model) if self.model.cfg.encoders.dedup and self.engine.supports_hook else None
-        )
-        loss_fn = policy_loss_fn(r, shared, self.value_head)
-        tally = StepTally(phases)
-        held: list[tuple[list[Trajectory], list[MicroBatch]]] = []
-        queue: list[tuple[list[Trajectory], list[MicroBatch]]] = []
-        mismatch: dict[str, float] = {}  # mismatch_<setting>_{mean,max,kl}: BF16 trainer forward vs rollout
-        sync_each = self.source.sync_every_update
-        while len(held) < tr.mini_batches:
-            if not queue:
-                with phases("admit"):  # colocated: generation; disaggregated: waiting for admission
-                    batches = self.source.admit(step, self.version)
-                if not held:  # the encoder work counted below is the trainer's, not the rollouts'
-                    tally.enc_before = self.model.encode_totals.copy()
-                if not 1 <= len(batches) <= tr.mini_batches - len(held):
-                    raise RuntimeError(
-                        f"RL step {step}: the trajectory source admitted {len(batches)} mini-batches "
-                        f"where {tr.mini_batches - len(held)} remain to be trained"
-                    )
-                with phases("prepare"):
-                    if r.logging.mismatch_every and step % r.logging.mismatch_every == 0 and not held:
-                        from loomrl.platform.mismatch import mismatch_metrics  # before training moves the weights
-
-                        mismatch = mismatch_metrics(self.model, [t for b in batches for t in b], r.rollout.temperature)
-                    queue = [
-                        (
-                            b,
-                            layout(
-                                b,
-                                self.model.pad_token_id,
-                                tr.micro_batch_size,
-                                r.pipeline.tokens_per_micro_batch,
-                                self.model.device,
-                            ),
-                        )
-                        for b in batches
-                    ]
-                    for k, v in self.prepare(queue).items():
-                        tally.adv_stats[k] = tally.adv_stats.get(k, 0.0) + v / tr.mini_batches * len(queue)
-            trajs, mbs = queue.pop(0)
-            with phases("train"):
-                tally.staleness += [self.version - t.version for t in trajs]
-                self.update(mbs, loss_fn, shared, tally.totals, tally.critic_totals)
-            held.append((trajs, mbs))
-            tally.trained.append(trajs)
-            if sync_each:
-                with phases("sync"):
-                    self.sync_policy()
-                    self.source.weights_updated(self.version)
-        for _ in range(a.epochs - 1):  # PPO epochs: the same mini-batches again, same order
-            for trajs, mbs in held:
-                with phases("train"):
-                    tally.staleness += [self.version - t.version for t in trajs]
-                    self.update(mbs, loss_fn, shared, tally.totals, tally.critic_totals)
-                if sync_each:
-                    with phases("sync"):
-                        self.sync_policy()
-                        self.source.weights_updated(self.version)
-        with phases("sync"):
-            if not sync_each:
-                self.sync_policy()
-            tally.rollout_metrics = dict(self.source.end_step(step, self.version), **mismatch)
-        return self.metrics_row(step, tally, loss_fn, time.perf_counter() - t_step)
-
-    def metrics_row(self, step: int, tally: "StepTally", loss_fn, step_s: float) -> dict:
-        """The step's metrics.jsonl row: what it trained on, the algorithm's statistics (summed over
-        the mini-batches in `tally`), phase timings, encoder work, the source's rollout metrics."""
-        trajs = [t for b in tally.trained for t in b]
-        totals, phases, staleness = tally.totals, tally.phases, tally.staleness
-        updates = self.recipe.training.mini_batches * self.recipe.algorithm.epochs
-        rewards = torch.tensor([t.reward for t in trajs])
-        tokens = max(1.0, totals["tokens"])
-        prompt_ids = sorted({t.prompt_id for t in trajs})
-        enc = self.model.encode_totals.since(tally.enc_before)  # the trainer's encoder work this step
-        row = {
-            "step": step,
-            "trajectories_admitted": len(trajs),
-            # which prompts this step trained on, so resumed and uninterrupted runs can be compared
-            "prompt_digest": hashlib.sha1(" ".join(prompt_ids).encode()).hexdigest()[:16],
-            "prompt_ids": prompt_ids,  # sorted: the admission order may vary between runs
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "loss": totals["loss"] / updates,
-            "entropy": totals["entropy_sum"] / tokens,
-            "clip_frac": totals["clipped_tokens"] / tokens,
-            "logp_mismatch": totals["mismatch_sum"] / tokens,
-            "grad_norm": totals["grad_norm"] / updates,
-            "lr": rl_lr(self.recipe.training, step),
-            **{f"{name}_s": s for name, s in phases.seconds.items()},  # admit_s, prepare_s, train_s, sync_s
-            "step_s": step_s,
-            "policy_version": self.version,
-            "staleness_mean": sum(staleness) / len(staleness),  # 0 only with one mini-batch and one epoch
-            "staleness_max": max(staleness),
-            **enc.as_dict(),  # enc_media_total/unique, enc_calls, enc_bytes_*, enc_*_s, enc_cache_*
-            "enc_cache_entries": len(self.model.encoding_cache),
-            **TRANSFERS.take(),  # h2d_copies, h2d_mb, d2h_copies, d2h_mb: this step's host <-> device copies
-            **memory_row(self.model.device),  # device_peak_mb on a GPU
-        }
-        row.update(tally.rollout_metrics)  # the source's: rollout_s (generation), tokens_per_s, drafting, ...
-        if "trainer_idle_s" in row:  # disaggregated: the share of the step spent waiting for admission
-            row["trainer_idle_frac"] = min(1.0, row["trainer_idle_s"] / max(step_s, 1e-9))
-        if "kl_sum" in totals:
-            row["kl"] = totals["kl_sum"] / tokens
-        # importance correction: is the run on-policy? (ratio = pi_old under the trainer / pi_rollout)
-        is_max = allreduce_max(loss_fn.maxima["is_ratio_max"])  # each rank saw only its micro-batches
-        row.update(
-            {
-                "is_ratio_mean": totals["is_ratio_sum"] / tokens,
-                "is_ratio_max": is_max,
-                "is_clipped_frac": totals["is_clipped"] / tokens,
-                "is_masked_frac": totals["is_masked"] / tokens,
-            }
-        )
-        names = sorted({n for t in trajs for n in t.reward_parts})
-        if len(names) > 1 or self.recipe.algorithm.rewards:
-            row.update({f"reward_{n}_mean": sum(t.reward_parts[n] for t in trajs) / len(trajs) for n in names})
-        row.update(tally.adv_stats)
-        row.update(value_metrics(totals, tally.critic_totals, tokens, updates))
-        counts = self.counts()
-        row.update({f"trajectories_{k}": v for k, v in counts.items() if k != "dropped_by_reason"})
-        return row
 
     # ------------------------------------------------------------------ the run
 

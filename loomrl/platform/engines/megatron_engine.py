@@ -122,7 +122,13 @@ def _swiglu_mlp_class():
 class LoomCoreAttention(nn.Module):
     """Megatron core-attention slot: loomrl's RoPE region on q and k, then its attention region
     with the causal padding mask (GQA by repeating kv heads). Shapes are Megatron's: q [s, b, heads/tp, d],
-    k/v [s, b, kv_heads/tp, d] -> [s, b, heads/tp * d]."""
+    k/v [s, b, kv_heads/tp, d] -> [s, b, heads/tp * d].
+
+    Megatron builds it with keyword arguments only (`Attention.__init__`, megatron/core/transformer/
+    attention.py: `submodules.core_attention(config=..., layer_number=..., ...)`) and calls it with
+    q, k, v and the mask positional, the rest by keyword (`Attention.forward`: `apply_module(
+    self.core_attention)(query, key, value, attention_mask, attn_mask_type=..., ...)`), as its
+    `CoreAttentionBuilder` / `CoreAttention` protocols declare: the optional arguments are keyword-only."""
 
     def __init__(
         self,
@@ -130,11 +136,11 @@ class LoomCoreAttention(nn.Module):
         layer_number,
         attn_mask_type,
         attention_type,
+        *,
         attention_dropout=None,
         softmax_scale=None,
         cp_comm_type=None,
         pg_collection=None,
-        *,
         rope: RopeTable,
         decoder: DecoderConfig,
     ):
@@ -142,7 +148,7 @@ class LoomCoreAttention(nn.Module):
         self.rope, self.decoder = rope, decoder
 
     def forward(
-        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        self, query, key, value, attention_mask, *, attn_mask_type=None, attention_bias=None, packed_seq_params=None
     ):
         mode, mrope = self.decoder.rounding.rope, self.decoder.mrope_section is not None
         cos, sin = self.rope.cos[:, None], self.rope.sin[:, None]  # [B, 1, T, D]: broadcast over heads

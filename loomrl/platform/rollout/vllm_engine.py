@@ -20,19 +20,8 @@ Agreement with the trainer's log-probs:
   A LoRA policy's weights are sent merged (W + B @ A * scale, `backbone/lora.py`): vLLM
   serves a plain Qwen2 model.
 
-M-RoPE policies (a Qwen2-VL / Qwen2.5-VL checkpoint via `model.init_from`: the decoder has
-`mrope_section`): the language model is served as vLLM's own `Qwen2VLForConditionalGeneration` /
-`Qwen2_5_VLForConditionalGeneration` instead, so vLLM computes the (t, h, w) positions itself
-(`get_mrope_input_positions`, vllm/model_executor/models/qwen2_vl.py:1354, from each image's
-placeholder offset and `image_grid_thw`; generated tokens continue at max + 1). The media still
-come from the trainer's towers, as precomputed image embeddings (`multi_modal_data={"image":
-{"image_embeds", "image_grid_thw"}}`, `enable_mm_embeds`); every image modality limit is 0, so
-vLLM builds no tower (`_mark_tower_model`, models/interfaces.py:339) and the weights stay
-language-model only (the same names, mapped by the model's `hf_to_vllm_mapper`). vLLM's processor
-expands one placeholder per image to the grid's token count (qwen2_vl.py `_get_prompt_updates`),
-so each prompt goes in with its placeholder runs collapsed and comes back checked against the
-trainer's expanded ids. That processor needs the tokenizer: the export folder also holds the
-policy's tokenizer and a preprocessor config (vLLM loads both while it starts).
+M-RoPE policies (a Qwen2-VL / Qwen2.5-VL checkpoint via `model.init_from`) are served as vLLM's
+own Qwen2-VL model instead, fed the trainer's image encodings: `vllm_mrope.py`.
 
 NgramRL drafting runs inside vLLM (see `vllm_proposer.py`); its proposer counts the drafts and
 accepted tokens of each generate call (vLLM's own Prometheus counters are process-wide: an engine
@@ -54,19 +43,19 @@ import os
 import shutil
 import tempfile
 import time
-from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
 
 from loomrl.config import RecipeError
-from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model, text_config, write_folder
+from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model
 from loomrl.platform.backbone.lora import merged_state_dict
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.rollout import vllm_proposer as P
 from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.config import DrafterConfig, VLLMConfig
 from loomrl.platform.rollout.torch_engine import DraftStats
+from loomrl.platform.rollout.vllm_mrope import export_mrope_language_model, mrope_prompt, uses_mrope
 
 log = logging.getLogger("loomrl")
 
@@ -90,77 +79,6 @@ def drafting_supported(temperature: float) -> tuple[bool, str]:
             "loomrl's expand-kernel fix; drafting inside vLLM is used for greedy rollouts only"
         )
     return True, ""
-
-
-def uses_mrope(model) -> bool:
-    """Whether the trainer gives `model` M-RoPE (t, h, w) positions (`VLM.position_ids`)."""
-    return model.language_model.cfg.mrope_section is not None and model.image_token_id is not None
-
-
-# vision tower type -> (model_type, vLLM architecture, HF processor class) served for M-RoPE policies
-_MROPE_SERVED = {
-    "qwen2_vl": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
-    "qwen2_vl_vision": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
-    "qwen2_5_vl_vision": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"),
-}
-
-
-def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.float32) -> None:
-    """Write an M-RoPE policy's language model as a Qwen2-VL / Qwen2.5-VL folder vLLM serves with
-    precomputed image embeddings: config.json with the vision config (for the merge size and the
-    processor; no tower weights: vLLM builds no tower when every image limit is 0), the language
-    model's tensors (hub names), the policy's tokenizer and a preprocessor config with its image
-    sizes (vLLM sizes its encoder cache by `max_pixels`)."""
-    import json
-
-    from loomrl.platform.backbone.tokenizer import load_tokenizer
-
-    lm, vcfg = model.language_model, model.cfg.vision
-    if model.visual is None:
-        raise ValueError(
-            f"vLLM: an M-RoPE policy without a vision tower (model.init_from="
-            f"{model.cfg.init_from!r}) has no image model to serve"
-        )
-    vision = model.visual.config.to_dict()
-    served = _MROPE_SERVED.get(vision.get("model_type"))
-    if served is None:
-        raise ValueError(
-            f"vLLM: an M-RoPE policy with a vision tower of type {vision.get('model_type')!r} "
-            f"has no vLLM architecture (expected one of {sorted(_MROPE_SERVED)})"
-        )
-    model_type, arch, processor = served
-    image = model.media_tokens_of["image"]
-    text = {**text_config(lm.cfg, dtype), "eos_token_id": model.eos_token_id, "pad_token_id": model.pad_token_id}
-    config = {
-        "architectures": [arch],
-        "model_type": model_type,
-        "text_config": text,
-        "vision_config": vision,
-        "image_token_id": image.placeholder,
-        "tie_word_embeddings": lm.cfg.tie_word_embeddings,
-        "eos_token_id": model.eos_token_id,
-        "torch_dtype": text["dtype"],
-        "dtype": text["dtype"],
-    }
-    if len(image.before) == 1 and len(image.after) == 1:
-        config["vision_start_token_id"], config["vision_end_token_id"] = image.before[0], image.after[0]
-    if model.cfg.init_from is not None:  # ids vLLM's config reads but loomrl never uses (video)
-        from loomrl.encoders.hf_checkpoint import read_config
-
-        hf = read_config(model.cfg.init_from)
-        config.update({k: hf[k] for k in ("video_token_id",) if k in hf})
-    write_folder(folder, config, decoder_tensors(lm, dtype=dtype), overwrite=True)
-    load_tokenizer(model.cfg.tokenizer).save_pretrained(folder)
-    pre = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": processor,
-        "min_pixels": vcfg.min_pixels,
-        "max_pixels": vcfg.max_pixels,
-        "patch_size": vcfg.patch_size,
-        "temporal_patch_size": vcfg.temporal_patch_size,
-        "merge_size": vcfg.spatial_merge_size,
-    }
-    Path(folder, "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
 
 
 def _set_vllm_env(cfg: VLLMConfig) -> None:
@@ -382,7 +300,7 @@ class VLLMRolloutEngine:
             out = []
             for p in prompts:
                 if self.mrope:
-                    out.append(self._mrope_input(p, encodings))
+                    out.append(mrope_prompt(self.model, p, encodings))
                     continue
                 ids = torch.tensor([p.ids])
                 # vLLM takes prompt embeddings on the host (it ships them to its engine process)
@@ -396,35 +314,6 @@ class VLLMRolloutEngine:
                 )
         model.train(was_training)
         return out
-
-    def _mrope_input(self, p: Prompt, encodings) -> dict:
-        """A prompt for vLLM's Qwen2-VL: token ids with each image's placeholder run collapsed to
-        one placeholder (vLLM's processor expands it back from image_grid_thw) and the trainer's
-        image encodings as precomputed embeddings, in prompt order."""
-        model, image = self.model, self.model.image_token_id
-        if any(m.kind != "image" for m in p.media):
-            raise ValueError(
-                f"prompt {p.id}: vLLM serves this M-RoPE policy with images only, got {[m.kind for m in p.media]}"
-            )
-        ids, collapsed, i = list(p.ids), [], 0
-        for m in p.media:
-            n = model.media_tokens(m)
-            j = ids.index(image, i) if image in ids[i:] else len(ids)
-            if ids[j : j + n] != [image] * n:
-                raise ValueError(f"prompt {p.id}: an image's {n} placeholders are not where expected")
-            collapsed += ids[i : j + 1]
-            i = j + n
-        if image in ids[i:]:
-            raise ValueError(f"prompt {p.id}: more image placeholders than images")
-        inp: dict = {"prompt_token_ids": collapsed + ids[i:]}
-        if p.media:
-            inp["multi_modal_data"] = {
-                "image": {
-                    "image_embeds": to_host(torch.cat([encodings[m.key] for m in p.media]).to(torch.float32)),
-                    "image_grid_thw": torch.stack([m.grid for m in p.media]),
-                }
-            }
-        return inp
 
     def generate(
         self, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
