@@ -35,6 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from loomrl.platform import recipe as R
+from loomrl.platform.parts import shard_files
+from loomrl.platform.recipe import RecipeError
+
 log = logging.getLogger("loomrl")
 
 
@@ -94,8 +98,6 @@ def _result(cell: dict, out: Path, rc: int, wall: float, first_n: int, last_n: i
 def _prepare(recipe: str, overrides: list[str]) -> tuple[int, int]:
     """Check the recipe and write the demo shards once, before cells that would all try to; the
     goal's (first, last) step counts, which the table averages over."""
-    from loomrl.platform import recipe as R
-    from loomrl.platform.parts import shard_files
 
     loaded = R.load_recipe(recipe, overrides)
     shard_files(loaded)
@@ -189,7 +191,6 @@ def main(argv: list[str]) -> int:
     cells = _cells(_ints(args.seeds), _ints(args.threads), [c for c in args.capabilities.split(",") if c])
     if not cells:
         ap.error("no cells: give --seeds, --threads and --capabilities")
-    from loomrl.platform.recipe import RecipeError
 
     try:  # what every cell would refuse is refused once, before any cell runs
         first_n, last_n = _prepare(args.recipe, args.overrides)

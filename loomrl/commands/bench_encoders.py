@@ -29,15 +29,20 @@ import time
 
 import torch
 
+from loomrl.datasets.demo import make_sample
 from loomrl.encoders.base import load_medium
 from loomrl.encoders.cache import SharedEncodings
 from loomrl.encoders.media import Medium
+from loomrl.platform.algorithms.losses import policy_loss_fn
+from loomrl.platform.backbone.tokenizer import load_tokenizer
+from loomrl.platform.backbone.vlm import build_policy
+from loomrl.platform.engines.torch_engine import TorchTrainEngine
+from loomrl.platform.recipe import ModelConfig, Recipe, TrainingConfig
+from loomrl.platform.trajectory.batch import Trajectory, micro_batches
 
 
 def build_mini_batch(model, tokenizer, groups: int, n: int, micro_batch_size: int, seed: int) -> list:
     """Micro-batches of one GRPO mini-batch of demo prompts (see the module docstring)."""
-    from loomrl.datasets.demo import make_sample
-    from loomrl.platform.trajectory.batch import Trajectory, micro_batches
 
     rng = random.Random(seed)
     trajs = []
@@ -110,11 +115,6 @@ def train_pass(model, engine, mbs: list, loss_factory, dedup: bool) -> float:
 
 
 def run(groups: int, n: int, micro_batch_size: int, repeats: int, seed: int) -> dict:
-    from loomrl.platform.algorithms.losses import policy_loss_fn
-    from loomrl.platform.backbone.tokenizer import load_tokenizer
-    from loomrl.platform.backbone.vlm import build_policy
-    from loomrl.platform.engines.torch_engine import TorchTrainEngine
-    from loomrl.platform.recipe import ModelConfig, Recipe, TrainingConfig
 
     tokenizer = load_tokenizer("demo")
     model = build_policy(ModelConfig(), tokenizer, seed)

@@ -52,6 +52,15 @@ from typing import Optional
 
 import torch
 
+from loomrl.commands.bench_drafter import load_traces
+from loomrl.platform import recipe as R
+from loomrl.platform.backbone.vlm import VLM
+from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files, to_prompts
+from loomrl.platform.recipe import DrafterConfig, ModelConfig, VLLMConfig
+from loomrl.platform.rollout.base import Prompt, SamplingParams
+from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
+from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine
+
 log = logging.getLogger("loomrl.commands.bench")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,9 +96,6 @@ class Workload:
 
 
 def demo_workload(prompts: int = 32, rounds: int = 21, engine: str = "torch") -> Workload:
-    from loomrl.platform import recipe as R
-    from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files, to_prompts
-    from loomrl.platform.rollout.base import SamplingParams
 
     recipe = R.load_recipe(str(ROOT / "recipes" / "demo.yaml"), [])
     configure_torch(recipe.training)
@@ -115,8 +121,6 @@ def traced_workload(
 ) -> Workload:
     """The Qwen2-0.5B-shaped policy (or `shape`: ModelConfig sizes) with completions forced to the
     traces (module docstring)."""
-    from loomrl.commands.bench_drafter import load_traces
-    from loomrl.platform.rollout.base import Prompt, SamplingParams
 
     rows = load_traces(str(path))
     last = max(r["round"] for r in rows)
@@ -146,8 +150,6 @@ def traced_workload(
 def _trace_policy(rows: list[dict], shape: Optional[dict]):
     """The Qwen2-0.5B-shaped policy (or `shape`: ModelConfig sizes), random weights, whose vocabulary
     is the traces' tokens, and the map from trace token ids to its ids."""
-    from loomrl.platform.backbone.vlm import VLM
-    from loomrl.platform.recipe import ModelConfig
 
     shape = shape or QWEN2_05B
     vocab = sorted({t for r in rows for t in r["prompt_ids"] + r["completion_ids"]})
@@ -189,8 +191,6 @@ def greedy_workload(
     output so far and the cross-prompt history, no prompt history. A random-weight model's greedy
     output falls into loops within a few tokens, which those drafts catch: the case where drafting
     pays most without any repeated prompt."""
-    from loomrl.commands.bench_drafter import load_traces
-    from loomrl.platform.rollout.base import Prompt, SamplingParams
 
     rows = load_traces(str(path))
     model, remap = _trace_policy(rows, shape)
@@ -208,14 +208,9 @@ def greedy_workload(
 
 def _engines(w: Workload):
     """(plain, drafted): two engines of `w`'s kind on its policy, the drafter as a recipe's default."""
-    from loomrl.platform.recipe import DrafterConfig
 
     if w.engine == "torch":
-        from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
-
         return TorchRolloutEngine(w.model), TorchRolloutEngine(w.model, DrafterConfig(enabled=True))
-    from loomrl.platform.recipe import VLLMConfig
-    from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine
 
     longest = max(len(p.ids) for b in w.batches for p in b) + w.params.max_new_tokens
     kw = dict(temperature=w.params.temperature, max_model_len=-(-longest // 256) * 256)

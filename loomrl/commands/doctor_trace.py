@@ -41,7 +41,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from loomrl.platform.backbone.rounding import SETTINGS
+from loomrl.platform.mismatch import low_precision_copy, policy_encodings, trajectories
 from loomrl.platform.rollout.base import Prompt, Rollout
+from loomrl.platform.rollout.config import VLLMConfig
+from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine
+from loomrl.platform.trajectory.batch import micro_batches
 
 REGIONS = (
     "embedding",
@@ -214,11 +219,6 @@ def trace_vllm(
 ) -> dict:
     """Trace the longest rollout (prompt + completion) through vLLM's prefill and the trainer's
     BF16 copy under each of `settings`; see the module docstring."""
-    from loomrl.platform.backbone.rounding import SETTINGS
-    from loomrl.platform.mismatch import low_precision_copy, policy_encodings, trajectories
-    from loomrl.platform.rollout.config import VLLMConfig
-    from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine
-    from loomrl.platform.trajectory.batch import micro_batches
 
     if not rollouts:
         raise ValueError("trace: no rollouts to trace")

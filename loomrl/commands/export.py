@@ -40,9 +40,14 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import safe_open
 
+from loomrl.encoders.audio import HOP, N_FFT, num_frames
+from loomrl.encoders.vision import CLIP_MEAN, CLIP_STD
 from loomrl.platform import recipe as R
+from loomrl.platform.backbone.hf_io import export_policy
 from loomrl.platform.checkpoint import _fsync, latest_checkpoint, load_checkpoint
+from loomrl.platform.parts import build_policy_parts
 
 log = logging.getLogger("loomrl")
 
@@ -141,8 +146,6 @@ def export_checkpoint(
 
     dtype: "float32" / "bfloat16" (None: the checkpoint's). modality: "image", "audio" or
     "text" (None: init_from's). overwrite: replace an existing non-empty `out`."""
-    from loomrl.platform.backbone.hf_io import export_policy
-    from loomrl.platform.parts import build_policy_parts
 
     checkpoint, out = resolve_checkpoint(Path(checkpoint)), Path(out)
     _check_out(out, checkpoint, overwrite)
@@ -223,8 +226,6 @@ def preprocessor_config(model_cfg: R.ModelConfig, model_type: str, init_from: Op
     None for text. init_from's file is the base; the settings loomrl preprocessed the run's
     media with replace its values (a server then feeds the policy what it was trained on)."""
     if model_type in ("qwen2_vl", "qwen2_5_vl"):
-        from loomrl.encoders.vision import CLIP_MEAN, CLIP_STD
-
         v = model_cfg.vision
         processor = "Qwen2VLProcessor" if model_type == "qwen2_vl" else "Qwen2_5_VLProcessor"
         base = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor}
@@ -245,8 +246,6 @@ def preprocessor_config(model_cfg: R.ModelConfig, model_type: str, init_from: Op
             "merge_size": v.spatial_merge_size,
         }
     elif model_type == "qwen2_audio":
-        from loomrl.encoders.audio import HOP, N_FFT, num_frames
-
         a = model_cfg.audio
         # WhisperFeatureExtractor pads / cuts to chunk_length whole seconds: the recipe's clip
         # must be that long, in as many frames as the audio tower takes
@@ -333,7 +332,6 @@ def _read_json(file: Path) -> dict:
 
 def _stored_dtype(file: Path) -> torch.dtype:
     """The dtype most of a safetensors file's floating tensors are stored in (float32 if none)."""
-    from safetensors import safe_open
 
     with safe_open(str(file), framework="pt") as f:
         kinds = Counter(f.get_slice(k).get_dtype() for k in f.keys())
@@ -342,7 +340,6 @@ def _stored_dtype(file: Path) -> torch.dtype:
 
 
 def _count_params(folder: Path) -> int:
-    from safetensors import safe_open
 
     n = 0
     for file in folder.glob("*.safetensors"):

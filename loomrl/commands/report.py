@@ -8,6 +8,7 @@ mismatch and the largest importance ratio, e.g. the same recipe under different 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from loomrl.platform.metrics import read_metrics
@@ -36,7 +37,6 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 def _final_validation(run_dir: Path, rows: list[dict]) -> list[dict]:
     """The validation after the last step, which only summary.json holds (rows carry the ones
     before their step)."""
-    import json
 
     try:
         validations = json.loads((run_dir / "summary.json").read_text()).get("validation") or []

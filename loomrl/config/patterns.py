@@ -6,6 +6,13 @@ from __future__ import annotations
 import glob
 from typing import Optional
 
+from braceexpand import (  # type: ignore[attr-defined]  # private helpers, to count before expanding
+    braceexpand,
+    char_range_re,
+    int_range_re,
+    make_char_range,
+)
+
 from loomrl.config.schema import RecipeError, show
 
 MAX_SHARD_PATTERNS = 100_000
@@ -16,7 +23,6 @@ def _brace_count(pattern: str, limit: int) -> int:
     """How many patterns braceexpand(pattern) yields, counted without expanding (braceexpand
     builds every one in memory first), capped at limit + 1. Mirrors braceexpand's parser; raises
     ValueError on unbalanced braces, RecursionError on braces nested too deeply."""
-    from braceexpand import char_range_re, int_range_re, make_char_range  # type: ignore[attr-defined]
 
     def pattern_count(p: str) -> int:
         total, start, depth, pos = 1, 0, 0, 0
@@ -85,7 +91,6 @@ def check_pattern(pattern: str, key: Optional[str] = None) -> None:
 def expand_pattern(pattern: str, key: Optional[str] = None) -> list[str]:
     """Shard files matched by a glob or brace range, sorted; only existing files. A pattern
     that cannot be expanded is a RecipeError (naming `key` when given)."""
-    from braceexpand import braceexpand  # webdataset's dependency
 
     check_pattern(pattern, key)
     files: set[str] = set()

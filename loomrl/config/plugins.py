@@ -4,6 +4,7 @@ recipe's own folder (`set_recipe_folder`), with an error naming the key when it 
 from __future__ import annotations
 
 import importlib
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,7 +26,6 @@ def import_beside_recipe(mod: str, spec: str, key: str) -> Any:
     """import_module(mod); when `mod` itself is not found and the recipe's folder holds
     `<top>.py` or a `<top>/` package, that folder is appended to sys.path and the import retried.
     Still not found: a RecipeError naming the key and the module, with the hint."""
-    import sys
 
     def ours(e: ModuleNotFoundError) -> bool:  # mod (or a parent) is missing, not something it imports
         return e.name is not None and (mod == e.name or mod.startswith(e.name + "."))

@@ -9,7 +9,9 @@ with its type, default and documentation (`loomrl recipe`). Imports nothing else
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
 import re
 import reprlib
@@ -303,8 +305,6 @@ def field_docs(cls: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """(key path, type, default, doc) for every field of the dataclass `cls` and of the dataclasses
     it nests, the doc read from the string under each field where it is declared; used to print
     the recipe reference."""
-    import ast
-    import inspect
 
     src = ast.parse(inspect.getsource(cls))
     docs: dict[str, str] = {}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from loomrl.encoders.config import num_frames
@@ -63,7 +64,6 @@ def safetensors_files(folder: str | Path) -> list[Path]:
 
 def read_tensors(folder: str | Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Tensors under the first of `prefixes` that the folder's safetensors files use, prefix removed."""
-    from safetensors import safe_open
 
     files = safetensors_files(folder)
     for prefix in prefixes:

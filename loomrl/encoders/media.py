@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import soundfile as sf
 import torch
+from PIL import Image
 
 
 @dataclass
@@ -64,7 +66,6 @@ def data_error(e: Exception) -> str:
 
 def decode_image(data: bytes, max_pixels: int = 50_000_000):
     """PIL image from bytes, refusing decompression bombs (pixel limit) and non-images."""
-    from PIL import Image
 
     try:
         im = Image.open(io.BytesIO(data))  # reads the header only
@@ -97,7 +98,6 @@ def read_audio(data: bytes, max_seconds: float = MAX_AUDIO_SECONDS) -> tuple[np.
     """([frames, channels] float32, sample rate) of WAV/FLAC/... bytes, refusing (AudioTooLong)
     before decoding anything a clip over `max_seconds`, from its header: a few KB of FLAC can
     hold hours of silence. A header without the length (a streamed FLAC) is refused too."""
-    import soundfile as sf
 
     with sf.SoundFile(io.BytesIO(data)) as f:
         rate, channels, frames = f.samplerate, f.channels, f.frames

@@ -23,6 +23,8 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import load_model, save_file, save_model
 
+from loomrl.platform.faults import maybe_die
+
 MANIFEST = "manifest.json"
 REQUIRED = ("model.safetensors", "optimizer.pt", "state.json")
 STEP_NAME = re.compile(r"step-(\d{6,})")
@@ -67,7 +69,6 @@ def save_checkpoint(
     extra_models: dict | None = None,
 ) -> Path:
     """Write step-N/ atomically; extra_models: {name: module} saved as name.safetensors."""
-    from loomrl.platform.faults import maybe_die
 
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"

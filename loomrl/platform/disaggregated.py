@@ -53,10 +53,21 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from loomrl.logs import setup_logging
 from loomrl.platform import faults
 from loomrl.platform import recipe as R
 from loomrl.platform.engines.launch import torchrun_command
-from loomrl.platform.trajectory.sources import WorkerDied
+from loomrl.platform.parts import build_policy_parts, configure_torch, sampling_params
+from loomrl.platform.rewards.sources import score
+from loomrl.platform.rollout import build_rollout_engine
+from loomrl.platform.rollout.base import Prompt
+from loomrl.platform.trainer import Interrupted, Trainer
+from loomrl.platform.trajectory.admission import admit, recipe_quota
+from loomrl.platform.trajectory.batch import Trajectory
+from loomrl.platform.trajectory.dispatch import Dispatcher, Job
+from loomrl.platform.trajectory.layout import media_transfer
+from loomrl.platform.trajectory.sources import FollowerSource, LeaderSource, WorkerDied
+from loomrl.platform.trajectory.store import TrajectoryStore
 from loomrl.platform.trajectory.transport import MAX_MESSAGE_BYTES, Channel, MediaLedger, pack, unpack, unpack_media
 
 EXIT_FILE = "exit_code"
@@ -88,9 +99,6 @@ def launch(recipe: R.Recipe, cli_args: list[str], out: Path) -> int:
 
 def rollout_role(recipe: R.Recipe, rank: int, ch: Channel, trainer: int = 0) -> None:
     """A rollout worker: weights in, rollouts out, until told to stop."""
-    from loomrl.platform.parts import build_policy_parts, configure_torch, sampling_params
-    from loomrl.platform.rollout import build_rollout_engine
-    from loomrl.platform.rollout.base import Prompt
 
     configure_torch(recipe.training)
     _, _, model = build_policy_parts(recipe)
@@ -171,9 +179,6 @@ class WorkerSource:
     sync_every_update = True  # the workers get new weights after every optimizer step
 
     def __init__(self, trainer, ch: Channel, workers: list[int], names: dict[int, int]):
-        from loomrl.platform.trajectory.admission import recipe_quota
-        from loomrl.platform.trajectory.dispatch import Dispatcher
-        from loomrl.platform.trajectory.store import TrajectoryStore
 
         self.trainer, self.recipe, self.ch, self.names = trainer, trainer.recipe, ch, names
         self.quota = recipe_quota(self.recipe)
@@ -212,7 +217,6 @@ class WorkerSource:
         self.weights_sent = version
 
     def fresh(self, k: int):
-        from loomrl.platform.trajectory.dispatch import Job
 
         jobs = []
         for s in self.trainer.prompts.next(k):
@@ -236,8 +240,6 @@ class WorkerSource:
 
     def receive(self, w: int, buf: torch.Tensor) -> None:
         """A worker's message into the store (or the state replies); ValueError when malformed."""
-        from loomrl.platform.rewards.sources import score
-        from loomrl.platform.trajectory.batch import Trajectory
 
         meta, tensors = unpack(buf)
         why = _bad_result(meta)
@@ -313,8 +315,6 @@ class WorkerSource:
     # ------------------------------------------------------------------ the source
 
     def admit(self, step: int, version: int) -> list:
-        from loomrl.platform.trajectory.admission import admit
-        from loomrl.platform.trajectory.layout import media_transfer
 
         self.step = step
         if self.pending_states is not None:  # --resume: the workers continue where they were
@@ -467,7 +467,6 @@ class WorkerSource:
 
 def main(argv: list[str] | None = None) -> int:
     """One process of a disaggregated run (under torchrun): a trainer rank or a rollout worker."""
-    from loomrl.logs import setup_logging
 
     setup_logging()
     ap = argparse.ArgumentParser(prog="python -m loomrl.platform.disaggregated")
@@ -511,8 +510,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def trainer_role(recipe: R.Recipe, out: Path, args, grank: int, pg, names: dict[int, int]) -> int:
-    from loomrl.platform.trainer import Interrupted, Trainer
-    from loomrl.platform.trajectory.sources import FollowerSource, LeaderSource
 
     def source(trainer):
         if grank != 0:

@@ -15,6 +15,8 @@ import signal
 
 import torch
 
+from loomrl.platform.trajectory.transport import pack, unpack
+
 current_step = -1  # set by the trainer (and rollout workers) at the start of each RL step
 _corrupted = False
 
@@ -34,7 +36,6 @@ def maybe_corrupt(buf: torch.Tensor, rank: int) -> torch.Tensor:
     global _corrupted
     if _corrupted or os.environ.get("LOOMRL_BAD_MESSAGE_RANK") != str(rank):
         return buf
-    from loomrl.platform.trajectory.transport import pack, unpack
 
     _corrupted = True
     meta, tensors = unpack(buf)

@@ -7,6 +7,8 @@ import json
 import logging
 from pathlib import Path
 
+from torch.utils.tensorboard import SummaryWriter
+
 # What two runs of one seed may differ in, and comparisons of their rows leave out: timings (seconds
 # and microseconds by their unit suffix: the phase timers are named `<phase>_s`; by name the two
 # ratios of timings) and counters of one process (a resumed run's process starts them at 0).
@@ -34,8 +36,6 @@ class MetricsLog:
         self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
 
     def log(self, row: dict) -> None:

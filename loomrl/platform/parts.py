@@ -12,11 +12,16 @@ from typing import Optional
 
 import torch
 
+from loomrl.datasets.demo import write_demo_shards
 from loomrl.datasets.shards import ShardError, media_census
 from loomrl.datasets.source import PromptSample, PromptSource
+from loomrl.datasets.stream import ShardStream
 from loomrl.encoders.hf_checkpoint import read_config
 from loomrl.platform import recipe as R
-from loomrl.platform.backbone.tokenizer import readable_media
+from loomrl.platform.backbone.chat import ChatFormat
+from loomrl.platform.backbone.tokenizer import load_tokenizer, media_layout, readable_media
+from loomrl.platform.backbone.vlm import build_policy
+from loomrl.platform.placement import choose_device
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 
 log = logging.getLogger("loomrl")
@@ -29,7 +34,6 @@ def shard_files(recipe: R.Recipe) -> list[str]:
         demo = recipe.data.demo
         if demo is None:
             raise R.RecipeError(f"data.shards: no files match {recipe.data.shards!r}")
-        from loomrl.datasets.demo import write_demo_shards
 
         directory = str(Path(recipe.data.shards).parent)
         log.info(
@@ -53,8 +57,6 @@ def text_parts(recipe: R.Recipe):
     """(tokenizer, chat format) of the recipe, checked against the checkpoint without building the
     model: the tokenizer loads, the chat template renders, the checkpoint's media tokens are the
     tokenizer's. Anything wrong is a RecipeError naming the key (`--dry-run` runs this too)."""
-    from loomrl.platform.backbone.chat import ChatFormat
-    from loomrl.platform.backbone.tokenizer import load_tokenizer, media_layout
 
     m = recipe.model
     try:
@@ -113,8 +115,6 @@ def build_policy_parts(recipe: R.Recipe, seed: Optional[int] = None):
     (`seed`: its random initialisation, default training.seed) on this rank's device
     (`training.device`), its completions ending where the chat format says (the template's
     end-of-turn, else the tokenizer's EOS)."""
-    from loomrl.platform.backbone.vlm import build_policy
-    from loomrl.platform.placement import choose_device
 
     tokenizer, chat = text_parts(recipe)
     try:
@@ -131,7 +131,6 @@ def prompt_source(recipe: R.Recipe, files: list[str], model, tokenizer, chat, on
     """Prompts of `files` for the policy, rendered by the chat format. Every trainer rank reads the
     same prompts in the same order (the trajectory source splits them). one_pass: the shards once,
     in order (a validation split); else shuffled, epoch after epoch."""
-    from loomrl.datasets.stream import ShardStream
 
     stream = ShardStream(
         files,

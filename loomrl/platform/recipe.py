@@ -14,10 +14,12 @@ before any work starts. The names of every part's config are re-exported here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
+import torch
 import yaml
 
 from loomrl.config import schema
@@ -242,7 +244,6 @@ def validate_freeze(r: Recipe) -> None:
 
 def validate(r: Recipe) -> None:
     """Checks across fields and of the shard pattern (each field's range is checked at load)."""
-    import re
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", r.name):
         raise RecipeError(
@@ -332,8 +333,6 @@ def file_problems(r: Recipe) -> list[str]:
     if r.model.tokenizer != "demo" and not is_dir(r.model.tokenizer):
         problems.append(f"model.tokenizer: {show(r.model.tokenizer)} is not 'demo' nor a tokenizer folder")
     if r.training.device == "cuda":
-        import torch
-
         if not torch.cuda.is_available():
             problems.append(f"training.device: 'cuda' but torch {torch.__version__} sees no CUDA device here")
     if r.model.init_from is not None and not is_file(str(Path(r.model.init_from) / "config.json")):

@@ -6,16 +6,20 @@ optimizer step on the answer tokens. Mixed into `Trainer`, whose state (`self.mo
 from __future__ import annotations
 
 import logging
+import random
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
+from loomrl.datasets.demo import format_only_answer
 from loomrl.platform import faults
 from loomrl.platform import recipe as R
 from loomrl.platform.algorithms.losses import sft_loss
 from loomrl.platform.checkpoint import blame, save_checkpoint
+from loomrl.platform.engines.torch_engine import TorchTrainEngine
 from loomrl.platform.metrics import MetricsLog
 from loomrl.platform.run_state import Interrupted, NoLog, Phases, rl_lr, scheduled
 from loomrl.platform.trajectory.batch import MicroBatch, Trajectory, micro_batches
@@ -30,12 +34,6 @@ class SupervisedSteps:
         """Supervised warm-up (SFT): `training.warmup.steps` optimizer steps on reference or
         format-only answers, before RL. A signal finishes the current step and writes a
         checkpoint of the warm-up (resumed from `start` with its `state`), as during RL."""
-        import random
-
-        from tqdm import tqdm
-
-        from loomrl.datasets.demo import format_only_answer
-        from loomrl.platform.engines.torch_engine import TorchTrainEngine
 
         r, model = self.recipe, self.model
         w = r.training.warmup

@@ -39,15 +39,22 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from loomrl.platform import recipe as R
 from loomrl.platform.algorithms import ALGORITHMS
 from loomrl.platform.algorithms.critic import ValueHead, build_critic
+from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.checkpoint import blame, check_run_state, load_checkpoint, load_extra_model, save_checkpoint
+from loomrl.platform.engines import build_engine
 from loomrl.platform.engines.base import load_exported, world
+from loomrl.platform.engines.torch_engine import TorchTrainEngine
 from loomrl.platform.metrics import MetricsLog, read_metrics
-from loomrl.platform.parts import configure_torch, shard_files
+from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files
+from loomrl.platform.rewards import RewardError
+from loomrl.platform.rewards.sources import build_sources
 from loomrl.platform.rl_step import RLSteps
+from loomrl.platform.rollout import build_rollout_engine
 from loomrl.platform.run_state import (  # noqa: F401 (re-exported: the trainer's public names)
     Interrupted,
     NoLog,
@@ -62,6 +69,8 @@ from loomrl.platform.run_state import (  # noqa: F401 (re-exported: the trainer'
     value_metrics,
 )
 from loomrl.platform.supervised import SupervisedSteps
+from loomrl.platform.trajectory.sources import ColocatedSource, NoRollouts, WorkerDied
+from loomrl.platform.trajectory.store import TrajectoryStore
 from loomrl.platform.validation import Validation
 
 log = logging.getLogger("loomrl")
@@ -103,9 +112,6 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
     # ------------------------------------------------------------------ set-up
 
     def setup(self) -> None:
-        from loomrl.platform.engines import build_engine
-        from loomrl.platform.parts import build_policy_parts, prompt_source
-        from loomrl.platform.rewards.sources import build_sources
 
         r, out = self.recipe, self.out
         self.t0 = time.perf_counter()
@@ -146,8 +152,6 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
         params += list(self.value_head.parameters()) if self.value_head is not None else []
         self.engine = build_engine(r, model, params)
         if self.sft:
-            from loomrl.platform.trajectory.sources import NoRollouts
-
             self.source = NoRollouts()
         else:
             self.source = self.build_source()
@@ -191,8 +195,6 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
     def build_value_model(self) -> None:
         """PPO's value model: a value head trained with the policy by its optimizer, or a separate
         critic (the policy's weights right after set-up, its own engine and optimizer)."""
-        from loomrl.platform.backbone.vlm import build_policy
-        from loomrl.platform.engines.torch_engine import TorchTrainEngine
 
         r, model, ppo = self.recipe, self.model, self.recipe.algorithm.ppo
         if ppo.critic == "value_head":
@@ -222,9 +224,6 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
             )
 
     def build_source(self):
-        from loomrl.platform.rollout import build_rollout_engine
-        from loomrl.platform.trajectory.sources import ColocatedSource
-        from loomrl.platform.trajectory.store import TrajectoryStore
 
         if self.source_factory is not None:
             return self.source_factory(self)
@@ -269,10 +268,6 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
         }
 
     def train(self) -> RunResult:
-        from tqdm import tqdm
-
-        from loomrl.platform.rewards import RewardError
-        from loomrl.platform.trajectory.sources import WorkerDied
 
         r, ck = self.recipe, self.recipe.checkpoint
         # The drafter allocates many small containers per step, which triggers full garbage

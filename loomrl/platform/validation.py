@@ -10,6 +10,11 @@ import time
 import torch
 
 from loomrl.platform import recipe as R
+from loomrl.platform.parts import prompt_source, to_prompts
+from loomrl.platform.rewards import RewardError
+from loomrl.platform.rewards.sources import score
+from loomrl.platform.rollout.base import SamplingParams
+from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 
 log = logging.getLogger("loomrl")
 
@@ -20,7 +25,6 @@ class Validation:
     def validation_split(self) -> list:
         """The held-out prompts (validation.shards): the first validation.samples usable ones, in
         shard order, the same at every validation."""
-        from loomrl.platform.parts import prompt_source
 
         r = self.recipe
         if r.validation.shards is None:
@@ -39,7 +43,6 @@ class Validation:
             log.warning(
                 "[run] validation.samples: %d asked for, the split has %d usable", r.validation.samples, len(samples)
             )
-        from loomrl.platform.rewards import RewardError
 
         records = [s.record for s in samples]
         for source in self.reward_fn:  # what each reward reads (the answer) is there, before any training
@@ -54,10 +57,6 @@ class Validation:
         """Completions of the held-out prompts by the current policy (the built-in engine on the
         trainer's weights, greedy unless validation.temperature > 0), scored by the run's rewards.
         Rank 0 alone runs it (other ranks go on to the next step's collectives)."""
-        from loomrl.platform.parts import to_prompts
-        from loomrl.platform.rewards.sources import score
-        from loomrl.platform.rollout.base import SamplingParams
-        from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 
         v, ro = self.recipe.validation, self.recipe.rollout
         t0 = time.perf_counter()

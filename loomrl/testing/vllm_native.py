@@ -6,12 +6,14 @@ trainer (rollouts use the trainer's towers, `platform/rollout/vllm_engine.py`)."
 from __future__ import annotations
 
 import gc
+import json
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from loomrl.platform.rollout import vllm_shims
 from loomrl.platform.rollout.base import Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.config import VLLMConfig
 from loomrl.platform.rollout.vllm_engine import _set_vllm_env
@@ -28,7 +30,6 @@ def start_native(folder: str, cfg: Optional[VLLMConfig] = None, seed: int = 0, m
     """Start vLLM on a HF folder (config.json, safetensors in the hub key layout, tokenizer and
     processor configs). Returns the `vllm.LLM`; stop it with `shutdown_native`. Video is off
     (limit 0): without torchvision it could not be processed (see `vllm_shims`)."""
-    import json
 
     cfg = cfg or VLLMConfig()
     model_type = json.loads(Path(folder, "config.json").read_text()).get("model_type")
@@ -41,7 +42,6 @@ def start_native(folder: str, cfg: Optional[VLLMConfig] = None, seed: int = 0, m
     if NATIVE_MODALITY[model_type] == "image":
         limits["video"] = 0
     _set_vllm_env(cfg)
-    from loomrl.platform.rollout import vllm_shims
 
     vllm_shims.apply()
     from vllm import LLM

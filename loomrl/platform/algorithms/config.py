@@ -10,6 +10,7 @@ from typing import Literal, Optional
 from loomrl.config.schema import RecipeError, choice, cut, is_file, ranged, show
 from loomrl.platform.algorithms.base import ALGORITHMS
 from loomrl.platform.rewards.config import RewardSourceConfig, check_parameters, resolve_callable
+from loomrl.platform.rewards.remote import check_url
 
 
 @dataclass
@@ -101,7 +102,6 @@ class AlgorithmConfig:
 def validate_algorithm(a: AlgorithmConfig) -> None:
     """Checks of the reward sources (each field's range, the importance band's included, is checked
     at load)."""
-    from loomrl.platform.rewards.remote import check_url
 
     names = set()
     for i, r in enumerate(a.rewards):

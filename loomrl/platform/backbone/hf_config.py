@@ -13,7 +13,10 @@ from typing import Any
 
 from loomrl.config.schema import RecipeError, convert, cut, is_file, show
 from loomrl.encoders.base import checkpoint_towers
+from loomrl.encoders.config import HOP
+from loomrl.encoders.hf_checkpoint import VISION_KINDS
 from loomrl.platform.backbone.config import ModelConfig
+from loomrl.platform.backbone.hf_io import decoder_config
 
 Row = tuple[str, Any, Path, str, bool]
 """(key under `model`, value, file, what the file says, strict)."""
@@ -47,7 +50,6 @@ def checkpoint_settings(folder: str, sample_rate: int = 16000) -> list[Row]:
     `vision.min_pixels` / `max_pixels`, not strict (the recipe may resize images otherwise; the
     tower takes any size). A key config.json leaves out has transformers' default. RecipeError
     naming the file when a file cannot be read, or describes a model loomrl cannot build."""
-    from loomrl.platform.backbone.hf_io import decoder_config
 
     path = Path(folder) / "config.json"
     cfg = read_json(path)
@@ -80,7 +82,6 @@ def checkpoint_settings(folder: str, sample_rate: int = 16000) -> list[Row]:
 
 def vision_rows(folder: Path, cfg: dict, model_type: str, hidden_size: int) -> list[Row]:
     """The vision tower's sizes (Qwen2-VL / Qwen2.5-VL config.json) and the preprocessor's pixel bounds."""
-    from loomrl.encoders.hf_checkpoint import VISION_KINDS
 
     path = folder / "config.json"
     vc = section(cfg, "vision_config", path)
@@ -124,7 +125,6 @@ def vision_rows(folder: Path, cfg: dict, model_type: str, hidden_size: int) -> l
 
 def audio_rows(path: Path, ac: dict, sample_rate: int) -> list[Row]:
     """The audio tower's sizes (Qwen2-Audio config.json's audio_config); its positions fix the clip length."""
-    from loomrl.encoders.config import HOP
 
     rows: list[Row] = []
     # transformers 5.19's Qwen2AudioEncoderConfig defaults for a key left out

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from loomrl.datasets.demo import vocabulary
 from loomrl.encoders.base import TEXT_CHECKPOINTS, MediaTokens, checkpoint_towers, modalities, token_id
 
 # The demo tokenizer's vocabulary starts with these (their ids are fixed: a new modality does
@@ -43,8 +44,6 @@ def build_word_tokenizer(words: list[str]):
 
 def load_tokenizer(spec: str):
     if spec == "demo":
-        from loomrl.datasets.demo import vocabulary
-
         return build_word_tokenizer(vocabulary())
     from transformers import AutoTokenizer
 

@@ -43,6 +43,8 @@ from loomrl.platform.engines.base import (
     rank_state,
     world,
 )
+from loomrl.platform.engines.launch import init_distributed
+from loomrl.platform.faults import maybe_die
 
 
 def deepspeed_config(cfg) -> dict:
@@ -117,8 +119,6 @@ class DeepSpeedTrainEngine:
         import deepspeed
         from deepspeed.utils import logger as ds_logger
 
-        from loomrl.platform.engines.launch import init_distributed
-
         ds_logger.setLevel(logging.WARNING)
         init_distributed()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
@@ -160,7 +160,6 @@ class DeepSpeedTrainEngine:
             else:
                 for k in stats:
                     totals.setdefault(k, 0.0)
-        from loomrl.platform.faults import maybe_die
 
         maybe_die("optimizer")
         self.engine.step()

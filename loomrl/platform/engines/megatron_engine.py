@@ -55,7 +55,9 @@ from loomrl.platform.engines.base import (
     rank_share,
     rank_state,
 )
+from loomrl.platform.engines.launch import init_distributed
 from loomrl.platform.engines.megatron_convert import Dims, hf_to_megatron, megatron_to_hf, padded_vocab
+from loomrl.platform.faults import maybe_die
 
 # --------------------------------------------------------------------------- process groups
 
@@ -333,7 +335,6 @@ class MegatronTrainEngine:
     @classmethod
     def from_recipe(cls, recipe, policy: nn.Module, params=None) -> "MegatronTrainEngine":
         """Trains its own megatron-core copy of `policy`'s language model (and the towers as they are)."""
-        from loomrl.platform.engines.launch import init_distributed
 
         init_distributed()
         return cls(policy, recipe.training)
@@ -394,7 +395,6 @@ class MegatronTrainEngine:
             hook.finish()
         allreduce_grads(self.params, self.dp_group)
         norm = self._clip()
-        from loomrl.platform.faults import maybe_die
 
         maybe_die("optimizer")
         self.optimizer.step()

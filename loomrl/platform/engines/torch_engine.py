@@ -22,6 +22,7 @@ from torch import nn
 
 from loomrl.platform.engines.base import TRAINING_ENGINES
 from loomrl.platform.engines.config import TrainingConfig
+from loomrl.platform.faults import maybe_die
 
 LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, float]]]
 
@@ -96,7 +97,6 @@ class TorchTrainEngine:
         else:
             norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
         totals["grad_norm"] = float(norm)
-        from loomrl.platform.faults import maybe_die
 
         maybe_die("optimizer")
         self.optimizer.step()

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 from loomrl.config.plugins import import_beside_recipe
 from loomrl.config.schema import RecipeError, cut, ranged, show
@@ -60,8 +61,6 @@ class RewardSourceConfig:
         if self.fn:
             return self.fn.split(":")[-1]
         if self.url:
-            from urllib.parse import urlsplit
-
             try:
                 return urlsplit(self.url).hostname or self.url
             except ValueError:

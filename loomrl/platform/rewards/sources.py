@@ -13,6 +13,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from loomrl.platform.rewards.base import RewardError
+from loomrl.platform.rewards.config import resolve_callable
 from loomrl.platform.rewards.models import RewardModel
 from loomrl.platform.rewards.remote import RemoteReward
 
@@ -53,7 +54,6 @@ class Source:
 
 def build_sources(algorithm, device: torch.device | str = "cpu") -> list[Source]:
     """Sources of a recipe's `algorithm` section: `rewards` if given, else `reward` alone."""
-    from loomrl.platform.rewards.config import resolve_callable
 
     if not algorithm.rewards:
         return [Source(algorithm.reward.split(":")[-1], 1.0, fn=resolve_callable(algorithm.reward))]

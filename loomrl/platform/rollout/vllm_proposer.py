@@ -38,6 +38,7 @@ import re
 import time
 from typing import Optional
 
+from loomrl.platform.rollout import vllm_shims
 from loomrl.platform.rollout.config import DrafterConfig
 from loomrl.platform.rollout.draft_control import DraftController
 from loomrl.platform.rollout.drafter import DraftState, NgramDrafter
@@ -51,7 +52,6 @@ def request_id(batch: int, prompt_index: int, sample: int) -> str:
 
 class NgramRLProposer:
     def __init__(self, vllm_config):
-        from loomrl.platform.rollout import vllm_shims
 
         # built in vLLM's worker after its kernels are registered: sampled drafts verify exactly
         vllm_shims.fix_spec_sampling()

@@ -44,9 +44,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import sys
 import types
 from pathlib import Path
+
+import torch
 
 _TV_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _applied = False
@@ -168,7 +171,6 @@ def apply() -> bool:
 def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
     """vLLM's `expand_kernel`, any dtype: request i's value (replace_from -> replace_to) written
     to output[cu[i-1]:cu[i]]. Same parameters, in the kernel's order, as the function it replaces."""
-    import torch
 
     if cu_num_tokens.numel() == 0:
         return
@@ -201,8 +203,6 @@ def fix_spec_sampling() -> bool:
     cpu_triton_utils._expand_kernel_impl = _expand_kernel_impl  # for registrations still to come
     registered = dispatcher._registry.get(_EXPAND)
     if registered is not None and registered[1] is not _expand_kernel_impl:
-        import logging
-
         log = logging.getLogger(dispatcher.__name__)  # "already registered. Overwriting." is the point
         level = log.level
         log.setLevel(logging.ERROR)

@@ -34,6 +34,11 @@ import torch
 import torch.distributed as dist
 
 from loomrl.encoders.media import Medium
+from loomrl.platform import faults
+from loomrl.platform.engines.base import check_rank_agreement, gather_rank_states, rank_state, world
+from loomrl.platform.parts import sampling_params, to_prompts
+from loomrl.platform.rewards.sources import score
+from loomrl.platform.trajectory.admission import admit_step
 from loomrl.platform.trajectory.batch import Trajectory
 from loomrl.platform.trajectory.transport import pack, unpack
 
@@ -267,8 +272,6 @@ class ColocatedSource:
     sync_every_update = False
 
     def __init__(self, recipe, model, tokenizer, prompts, rollout, reward_fn, *, store, generator: torch.Generator):
-        from loomrl.platform.engines.base import world
-        from loomrl.platform.parts import sampling_params
 
         self.recipe, self.model, self.tokenizer = recipe, model, tokenizer
         self.prompts, self.rollout, self.reward_fn, self.store = prompts, rollout, reward_fn, store
@@ -279,10 +282,6 @@ class ColocatedSource:
         self.last_prompts: list = []
 
     def admit(self, step: int, version: int) -> list[list[Trajectory]]:
-        from loomrl.platform import faults
-        from loomrl.platform.engines.base import check_rank_agreement
-        from loomrl.platform.parts import to_prompts
-        from loomrl.platform.trajectory.admission import admit_step
 
         samples = self.prompts.next(self.recipe.training.prompts_per_step)
         faults.maybe_die("rollout")
@@ -361,7 +360,6 @@ class ColocatedSource:
 
     def _scored_rows(self, result, samples: list, mine: list[int]) -> list["RolloutRow"]:
         """This rank's rollouts, scored by the reward sources, as rows to exchange."""
-        from loomrl.platform.rewards.sources import score
 
         texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in result.rollouts]
         records = [samples[mine[r.prompt_index]].record for r in result.rollouts]
@@ -426,13 +424,11 @@ class ColocatedSource:
 
     def state_dict(self) -> dict:
         """Every rank's rollout engine and sampling generator (collective); rank 0 gets them all."""
-        from loomrl.platform.engines.base import gather_rank_states
 
         local = {"rollout": self.rollout.state_dict(), "generator": self.generator.get_state()}
         return {"ranks": (gather_rank_states(local) or {}).get("ranks")}
 
     def load_state_dict(self, state: dict) -> None:
-        from loomrl.platform.engines.base import rank_state
 
         mine = rank_state(state, "rollout state")
         self.rollout.load_state_dict(mine["rollout"])
