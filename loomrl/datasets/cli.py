@@ -15,9 +15,11 @@ import re
 import sys
 
 from loomrl.datasets.files import NotRegularFile
+from loomrl.datasets.layouts import LAYOUTS
 from loomrl.datasets.manifest import FIELD_KEYS, ReadOptions
 from loomrl.datasets.prepare import Limits, MakeResult, RejectionEcho, make_shards, rejected_path
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError, check_pattern, existing_shards
+from loomrl.datasets.sources import SourceError
 
 _UNITS = {
     "": 1,
@@ -137,15 +139,17 @@ def check_out(pattern: str) -> None:
 
 
 def read_options(args) -> ReadOptions:
-    """How the manifest's lines are read: the --field mapping (each NAME once), --require-markers
-    and --allow-outside; Refused for a bad mapping."""
+    """How the source's records are read: the --field mapping (each NAME once), --require-markers,
+    --allow-outside and --format; Refused for a bad mapping."""
     mapping: dict[str, str] = {}
     for name, key in args.field:
         if name in mapping and mapping[name] != key:
             raise Refused(f"--field: {name} given twice ({mapping[name]!r} and {key!r})")
         mapping[name] = key
     try:
-        return ReadOptions.with_fields(mapping, require_markers=args.require_markers, allow_outside=args.allow_outside)
+        return ReadOptions.with_fields(
+            mapping, require_markers=args.require_markers, allow_outside=args.allow_outside, layout=args.format
+        )
     except ValueError as e:
         raise Refused(f"--field: {e}") from None
 
@@ -193,7 +197,7 @@ def run_make(args, options: ReadOptions) -> MakeResult:
             progress=progress_wanted(),
             options=options,
         )
-    except (FileNotFoundError, NotRegularFile) as e:  # no manifest, or a FIFO or device in its place
+    except (FileNotFoundError, NotRegularFile, SourceError) as e:  # no source, a FIFO, a kind not read
         raise Refused(str(e)) from None
     except OSError as e:  # a full disk, no permission: make_shards has removed what it wrote
         where = f"{e.filename}: " if e.filename else ""
@@ -266,12 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "make",
-        help="validate a JSONL manifest's samples and write shards",
-        description="Validate every sample of a JSONL manifest (or a folder of them) and write "
-        "the good ones to tar shards; bad ones go to the split's rejection list beside them "
+        help="validate a dataset's samples and write shards",
+        description="Validate every sample of a source (a JSONL manifest, a .json list, parquet, a "
+        "folder of them, or a Hugging Face datasets folder; vqa, llava, chat, verl or easyr1 records) "
+        "and write the good ones to tar shards; bad ones go to the split's rejection list beside them "
         "(DIR/train-rejected.jsonl for DIR/train-%%06d.tar).",
     )
-    p.add_argument("source", help="manifest .jsonl, or a folder of .jsonl files")
+    p.add_argument("source", help=".jsonl, .json or .parquet file, a folder of them, or a datasets save_to_disk folder")
     p.add_argument("--out", required=True, help="shard pattern, e.g. 'data/train/train-%%06d.tar'")
     p.add_argument("--maxcount", type=positive_int, default=1000, help="samples per shard (default 1000)")
     p.add_argument("--maxsize", type=byte_count, default=None, help="bytes per shard, e.g. 1GB (default: no limit)")
@@ -304,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-outside",
         action="store_true",
         help="allow media paths that resolve outside the manifest's folder (trusted manifests only)",
+    )
+    p.add_argument(
+        "--format",
+        choices=LAYOUTS,
+        default=None,
+        help="read every record in this layout (default: detected per record; docs/shards.md)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(fn=cmd_make)

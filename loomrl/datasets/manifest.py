@@ -1,6 +1,7 @@
-"""JSONL manifests: the input of `loomrl shards make`.
+"""Manifest records: what every input of `loomrl shards make` becomes before it is checked.
 
-One sample per line, in the field names public VQA / captioning sets already use:
+One sample per JSONL line (the `vqa` layout), in the field names public VQA /
+captioning sets already use:
 
     {"id": "cat-001", "prompt": "<image> what animal is this ?", "answer": "a cat",
      "images": ["img/cat.jpg"], "audio": [], "source": "web"}
@@ -17,7 +18,13 @@ two of one field's keys in one line are a `bad-line`, naming both):
   non-empty list of strings (the first is the answer, the whole list goes to
   meta as `answers`; a list of 4 numbers is a box, stored as the string `[x1, y1, x2, y2]`).
 - images: `images` or `image`; audio: `audio` or `audios`. Each a list of
-  paths or one path string (null: none), relative to the manifest's folder.
+  media or one (null: none). A medium is a path relative to the manifest's
+  folder (or absolute), a `file://` URL (its path, under the same rules), a
+  `data:<mime>;base64,...` URI, bytes (a binary column) or a Hugging Face
+  Image / Audio struct `{"bytes", "path"}` (`inline.resolve`). Inline media
+  (`Inline`: bytes, or a URI's payload, decoded by `prepare` only after its
+  decoded size passed the file-size limit) never touch the filesystem; a
+  rejection of one names the field it came from.
 
 `--field NAME=KEY` (`ReadOptions.with_fields`) reads a field from KEY only;
 that key is then no other field's. Every other key (and the keys of an
@@ -40,13 +47,18 @@ being swapped inside the folder while the job runs.
 
 A line is read in four steps (`parse_line`), each a function of named data:
 `decode_line` (bytes -> dict), `map_fields` (dict -> `Fields`: the keys and
-`--field` mapping above), `place_markers` and `check_paths`; a step that
-refuses the line raises `LineError`, which becomes its Rejection. Another input
-layout needs only its own dict -> `Fields` step.
+`--field` mapping above), `place_markers` and `check_paths` (the last three are
+`parse_fields`); a step that refuses the line raises `LineError`, which becomes
+its Rejection. Other layouts (llava, chat, verl, easyr1: `layouts.py`) are each
+a dict -> dict step before `parse_fields`, so their records meet the same
+checks; a multi-turn record also hands over its earlier turns (`history`):
+their markers are counted with the prompt's, their media come first, and they
+are kept in meta as `conversation`.
 
-A manifest is a .jsonl file or a folder of them (read in name order). A bad
-line (bad JSON, over 1 MiB, nested deeper than 64, a wrong type) becomes a
-`Rejection`, never an exception: the job goes on.
+Sources (a .jsonl file, a .json list, parquet, a `datasets` folder, or a folder
+of data files) are read by `sources.py`. A bad line (bad JSON, over 1 MiB,
+nested deeper than 64, a wrong type) becomes a `Rejection`, never an
+exception: the job goes on.
 """
 
 from __future__ import annotations
@@ -55,11 +67,10 @@ import json
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
 
-from loomrl.datasets.files import check_regular, open_regular
+from loomrl.datasets.inline import Inline, MediaRef, resolve
 from loomrl.encoders.base import modalities
 
 MARKERS = {m.marker: m.name for m in modalities()}  # "<image>" -> "image", "<audio>" -> "audio"
@@ -89,6 +100,8 @@ class ReadOptions:
     """A prompt with media but no marker is a `marker-mismatch` instead of getting markers placed."""
     allow_outside: bool = False
     """Media paths may resolve outside the manifest's folder (trusted manifests only)."""
+    layout: Optional[str] = None
+    """The layout every record is read in (`--format`); None: detected per record (layouts.py)."""
 
     @classmethod
     def with_fields(cls, mapping: dict[str, str], **switches) -> "ReadOptions":
@@ -113,17 +126,32 @@ class ReadOptions:
         return cls(fields=fields, explicit=frozenset(mapping), **switches)
 
 
+@dataclass(frozen=True)
+class MediaItem:
+    """One medium of an Entry: a file (`path`, joined to the source's folder) or bytes held in the
+    record itself (`inline`: bytes, or a data: URI's payload that `prepare` decodes under its limits)."""
+
+    kind: str  # "image", "audio"
+    path: Optional[str] = None
+    inline: Optional[Inline] = None
+
+    @property
+    def name(self) -> str:
+        """How messages name it: the path, or the inline medium's field."""
+        return self.inline.name if self.inline is not None else self.path or ""
+
+
 @dataclass
 class Entry:
-    """A well-formed manifest line: media paths resolved, in prompt-marker order."""
+    """A well-formed record: media resolved, in marker order (earlier turns' first, then the prompt's)."""
 
     id: str
     prompt: str
     answer: Optional[str]
     meta: dict
-    media: list[tuple[str, str]]  # (kind, absolute or manifest-relative-resolved path)
-    where: str  # manifest.jsonl:LINE
-    markers_placed: bool = False  # the prompt had no marker: they were put before its text
+    media: list[MediaItem]
+    where: str  # manifest.jsonl:LINE, data.parquet:row 7, ...
+    markers_placed: bool = False  # the text had no marker: they were put before the (first user turn's) text
 
 
 @dataclass
@@ -140,65 +168,6 @@ class Rejection:
         return {"id": self.id, "file": self.file, "line": self.where, "code": self.code, "reason": self.reason}
 
 
-@dataclass
-class Manifest:
-    """The manifest files of a source, in reading order."""
-
-    files: list[str] = field(default_factory=list)
-
-    @classmethod
-    def from_source(cls, source: str) -> "Manifest":
-        """A .jsonl file, or a folder whose *.jsonl files are read in name order. Each must be
-        a regular file: FileNotFoundError if there is none, NotRegularFile (an OSError naming
-        it) for a FIFO, a device or a folder, which would block or never end the job."""
-        try:
-            mode = os.stat(source).st_mode
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{source}: no such manifest file or folder") from None
-        if not stat.S_ISDIR(mode):
-            check_regular(source, mode)
-            return cls([source])
-        files = sorted(os.path.join(source, f) for f in os.listdir(source) if f.endswith(".jsonl"))
-        if not files:
-            raise FileNotFoundError(f"{source}: folder has no .jsonl manifests")
-        for f in files:
-            check_regular(f, os.stat(f).st_mode)
-        return cls(files)
-
-    def count_lines(self) -> int:
-        """Lines in all files (for a progress bar's total)."""
-        n = 0
-        for f in self.files:
-            with open_regular(f) as fh:
-                n += sum(1 for _ in fh)
-        return n
-
-    def entries(self, options: ReadOptions = ReadOptions()) -> Iterator[Union[Entry, Rejection]]:
-        """Every line, as an Entry or a Rejection; blank lines are skipped.
-        An id claims its first line: a later line with the same id is rejected."""
-        seen: dict[str, str] = {}
-        for path in self.files:
-            stem = os.path.splitext(os.path.basename(path))[0]
-            with open_regular(path) as fh:  # not a FIFO swapped in since from_source
-                for n, raw in enumerate(fh, 1):
-                    if not raw.strip():
-                        continue
-                    item = parse_line(
-                        raw, f"{path}:{n}", os.path.dirname(os.path.abspath(path)), options, default_id=f"{stem}-{n}"
-                    )
-                    if isinstance(item, Entry):
-                        if item.id in seen:
-                            item = Rejection(
-                                item.id,
-                                item.where,
-                                "duplicate-id",
-                                f"id {item.id!r} was already used at {seen[item.id]}",
-                            )
-                        else:
-                            seen[item.id] = item.where
-                    yield item
-
-
 def outside(path: str, base: str) -> Optional[str]:
     """The real path of `path` (relative to `base`) when it is outside base's real folder, else None."""
     real = os.path.realpath(os.path.join(base, path))
@@ -206,7 +175,7 @@ def outside(path: str, base: str) -> Optional[str]:
     return None if os.path.commonpath([root, real]) == root else real
 
 
-def _depth(value: object) -> int:
+def json_depth(value: object) -> int:
     """Nesting depth of a parsed JSON value (iterative: no recursion on hostile input)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -243,8 +212,11 @@ class Fields:
     id: str
     prompt: str
     answer: Optional[str]
-    media: dict[str, list[str]]  # kind -> paths as the manifest gives them (relative to its folder, or absolute)
+    media: dict[
+        str, list[Union[str, Inline]]
+    ]  # kind -> paths as given (relative to the source's folder, or absolute), or inline
     meta: dict
+    history: list[dict] = field(default_factory=list)  # earlier turns {"role", "content"} of a multi-turn record
 
 
 @dataclass
@@ -282,28 +254,56 @@ class Markers:
     """The prompt's media markers, in prompt order; placed before the text when it had none."""
 
     prompt: str
-    kinds: list[str]  # the medium kind of each marker, in prompt order
+    kinds: list[str]  # the medium kind of each marker, in order (earlier turns', then the prompt's)
     placed: bool
+    history: list[dict] = field(default_factory=list)  # the earlier turns, markers placed in the first user turn
 
 
 def parse_line(
     raw: bytes, where: str, base: str, options: ReadOptions = ReadOptions(), default_id: Optional[str] = None
 ) -> Union[Entry, Rejection]:
-    """One manifest line -> Entry, or a Rejection naming what is wrong with it. `base` is the
-    manifest's folder; `default_id` the id of a line without one (None: the id is required).
-    The steps: `decode_line` (bytes -> dict), `map_fields` (dict -> Fields: the keys and
-    `--field` mapping), `place_markers` (markers against media), `check_paths`."""
+    """One manifest line (the documented fields above) -> Entry, or a Rejection naming what is
+    wrong with it. `base` is the manifest's folder; `default_id` the id of a line without one (None:
+    the id is required). The steps: `decode_line` (bytes -> dict), then `parse_fields`."""
     try:
-        fields = map_fields(decode_line(raw), options, default_id)
+        obj = decode_line(raw)
+    except LineError as e:
+        return e.rejection(where)
+    return parse_fields(obj, where, base, options, default_id)
+
+
+def parse_fields(
+    obj: dict,
+    where: str,
+    base: str,
+    options: ReadOptions = ReadOptions(),
+    default_id: Optional[str] = None,
+    *,
+    history: Optional[list[dict]] = None,
+) -> Union[Entry, Rejection]:
+    """A record's object in the documented fields (a line's, or what a layout made of its record)
+    -> Entry or Rejection: `map_fields` (the keys and `--field` mapping), `place_markers` (markers
+    against media, over `history`, the earlier turns of a multi-turn record, and the prompt),
+    `check_paths`. The earlier turns are kept in meta as `conversation`."""
+    try:
+        fields = map_fields(obj, options, default_id)
+        if history:
+            if "conversation" in fields.meta:
+                raise _bad(
+                    "key 'conversation' is where the earlier turns of a multi-turn record are kept; rename it",
+                    fields.id,
+                )
+            fields.history = history
         markers = place_markers(fields, options)
         check_paths(fields, base, options)
     except LineError as e:
         return e.rejection(where)
+    meta = {**fields.meta, "conversation": markers.history} if markers.history else fields.meta
     return Entry(
         fields.id,
         markers.prompt,
         fields.answer,
-        fields.meta,
+        meta,
         media_in_marker_order(fields, markers, base),
         where,
         markers_placed=markers.placed,
@@ -323,7 +323,7 @@ def decode_line(raw: bytes) -> dict:
         raise _bad(f"not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise _bad(f"a line must be a JSON object, got {type(obj).__name__}")
-    if _depth(obj) > MAX_DEPTH:
+    if json_depth(obj) > MAX_DEPTH:
         raise _bad(f"JSON nested deeper than the limit of {MAX_DEPTH}")
     return obj
 
@@ -339,7 +339,7 @@ def map_fields(obj: dict, options: ReadOptions, default_id: Optional[str] = None
         what = "must be a non-empty string" if "prompt" in picked.values else "is missing"
         raise _bad(f"the prompt, field {picked.named('prompt')}, {what}", sample_id)
     answer = _answer(picked, sample_id)
-    media = {m.name: _paths(picked, m.manifest_keys[0], sample_id) for m in modalities()}
+    media = {m.name: _media(picked, m.manifest_keys[0], sample_id) for m in modalities()}
     meta = _meta(obj, answer, picked, sample_id)
     return Fields(sample_id, prompt, answer.text, media, meta)
 
@@ -399,18 +399,32 @@ def _answer(picked: Picked, sample_id: str) -> Answer:
     return Answer(answer)
 
 
-def _paths(picked: Picked, name: str, sample_id: str) -> list[str]:
-    """A media field's paths: a list of them, one path string, or null (none)."""
+def _media(picked: Picked, name: str, sample_id: str) -> list[Union[str, Inline]]:
+    """A media field's media: a list of them, one, or null (none). Each a path, a file:// URL (its
+    path), a data: URI, bytes or a {"bytes", "path"} struct (inline.resolve)."""
     value = picked.get(name)
-    if value is None:
-        value = []
-    elif isinstance(value, str):
-        value = [value]
-    if not (isinstance(value, list) and all(isinstance(p, str) and p for p in value)):
-        raise _bad(f"field {picked.named(name)} must be a file path or a list of file paths", sample_id)
-    if any("\0" in p for p in value):  # no file has such a name; os calls raise ValueError on it
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    key = picked.keys.get(name, name)
+    media: list[Union[str, Inline]] = []
+    for i, v in enumerate(values):
+        try:
+            item: Union[str, Inline, None] = resolve(v, f"'{key}'[{i}]" if isinstance(value, list) else f"'{key}'")
+        except TypeError:
+            item = None
+        except ValueError as e:
+            raise _bad(str(e), sample_id) from None
+        if not item and isinstance(v, MediaRef):  # a layout's medium: named by its own field
+            raise _bad(
+                f"field {v.field} must be a path, a file:// URL, a data: URI, bytes or "
+                f'{{"bytes", "path"}}, got {type(v.value).__name__}',
+                sample_id,
+            )
+        if not item:
+            raise _bad(f"field {picked.named(name)} must be a file path or a list of file paths", sample_id)
+        media.append(item)
+    if any(isinstance(p, str) and "\0" in p for p in media):  # no file has such a name; os calls raise ValueError
         raise _bad(f"field {picked.named(name)}: a file path cannot contain a NUL character", sample_id)
-    return value
+    return media
 
 
 def _meta(rest: dict, answer: Answer, picked: Picked, sample_id: str) -> dict:
@@ -433,34 +447,41 @@ def _meta(rest: dict, answer: Answer, picked: Picked, sample_id: str) -> dict:
 
 
 def place_markers(fields: Fields, options: ReadOptions) -> Markers:
-    """Step 3: the prompt's markers against the media lists; a prompt with media and no marker gets
-    them placed before its text (unless `require_markers`). A marker-mismatch LineError otherwise."""
-    kinds = [MARKERS[m] for m in _MARKER.findall(fields.prompt)]
+    """Step 3: the markers of the earlier turns and the prompt against the media lists; a record
+    with media and no marker at all gets them placed before the text of its first user turn (the
+    prompt, for a single turn) unless `require_markers`. A marker-mismatch LineError otherwise."""
+    what = "conversation" if fields.history else "prompt"
+    texts = [t["content"] for t in fields.history] + [fields.prompt]
+    kinds = [MARKERS[m] for text in texts for m in _MARKER.findall(text)]
     mods = modalities()
     have = " and ".join(f"{len(fields.media[m.name])} {m.noun}(s)" for m in mods)  # "2 image(s) and 0 clip(s)"
     placed = not kinds and any(fields.media.values())
     if placed and options.require_markers:
         raise LineError(
             "marker-mismatch",
-            f"prompt has no {' or '.join(MARKERS)} marker for {have}, and --require-markers is on; put "
+            f"{what} has no {' or '.join(MARKERS)} marker for {have}, and --require-markers is on; put "
             f"one marker where each medium goes, or leave out --require-markers to have them placed "
             f"before the text",
             fields.id,
         )
-    if not placed:
-        prompt = fields.prompt
-    else:
+    prompt, history = fields.prompt, fields.history
+    if placed:
         kinds = [m.name for m in mods for _ in fields.media[m.name]]
-        prompt = "".join(m.marker * len(fields.media[m.name]) for m in mods) + fields.prompt
+        marks = "".join(m.marker * len(fields.media[m.name]) for m in mods)
+        first = next((i for i, t in enumerate(history) if t["role"] == "user"), None)
+        if first is None:
+            prompt = marks + prompt
+        else:
+            history = [dict(t, content=marks + t["content"]) if i == first else t for i, t in enumerate(history)]
     if any(kinds.count(m.name) != len(fields.media[m.name]) for m in mods):
         markers = " and ".join(f"{kinds.count(m.name)} {m.marker}" for m in mods)
         raise LineError(
             "marker-mismatch",
-            f"prompt has {markers} marker(s) for {have}; put one marker where each medium goes "
+            f"{what} has {markers} marker(s) for {have}; put one marker where each medium goes "
             f"(or none at all, to have them placed before the text)",
             fields.id,
         )
-    return Markers(prompt, kinds, placed)
+    return Markers(prompt, kinds, placed, history)
 
 
 def check_paths(fields: Fields, base: str, options: ReadOptions) -> None:
@@ -468,7 +489,7 @@ def check_paths(fields: Fields, base: str, options: ReadOptions) -> None:
     path-outside-source LineError naming the first that is not. No file is opened."""
     if options.allow_outside:
         return
-    for path in (p for paths in fields.media.values() for p in paths):
+    for path in (p for paths in fields.media.values() for p in paths if isinstance(p, str)):
         real = outside(path, base)
         if real is not None:
             raise LineError(
@@ -481,7 +502,16 @@ def check_paths(fields: Fields, base: str, options: ReadOptions) -> None:
             )
 
 
-def media_in_marker_order(fields: Fields, markers: Markers, base: str) -> list[tuple[str, str]]:
-    """(kind, path joined to `base`) for each marker: images and clips in list order, each at its marker."""
-    queues = {kind: list(paths) for kind, paths in fields.media.items()}
-    return [(kind, os.path.join(base, queues[kind].pop(0))) for kind in markers.kinds]
+def media_in_marker_order(fields: Fields, markers: Markers, base: str) -> list[MediaItem]:
+    """A MediaItem for each marker: images and clips in list order, each at its marker; a path is
+    joined to `base`, inline bytes stay as they are."""
+    taken = {kind: 0 for kind in fields.media}
+    items = []
+    for kind in markers.kinds:
+        medium = fields.media[kind][taken[kind]]
+        taken[kind] += 1
+        if isinstance(medium, str):
+            items.append(MediaItem(kind, path=os.path.join(base, medium)))
+        else:
+            items.append(MediaItem(kind, inline=medium))
+    return items

@@ -13,6 +13,11 @@ trainer cannot read:
   PCM WAV (the demo's format; 96 dB of range is more than a log-mel front end
   resolves, at half the bytes of float).
 
+Media held in the record (a data: URI, bytes in a parquet or `datasets` column)
+meet the same checks without touching the filesystem: a URI's decoded size is
+counted from its length and refused over `max_file_bytes` before it is decoded,
+bad base64 is a `bad-base64`, and a rejection names the field it came from.
+
 A bad sample never stops the job and is never dropped silently: it becomes a
 Rejection (stderr, the rejection list `rejected_path`, summary counts). How manifest lines are read
 (field names, markers placed before a marker-free prompt, media paths kept
@@ -22,6 +27,8 @@ written samples whose markers were placed.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import io
 import json
@@ -29,6 +36,7 @@ import os
 import re
 import sys
 import time
+import urllib.parse
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,8 +47,10 @@ import torch
 from tqdm import tqdm
 
 from loomrl.datasets.files import NotRegularFile, open_regular
-from loomrl.datasets.manifest import Entry, Manifest, ReadOptions, Rejection
+from loomrl.datasets.inline import Inline, decoded_size
+from loomrl.datasets.manifest import Entry, MediaItem, ReadOptions, Rejection
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, write_shards
+from loomrl.datasets.sources import Source
 from loomrl.encoders.base import modality
 
 KEEP_IMAGE_FORMATS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
@@ -155,17 +165,49 @@ def read_file(path: str, limits: Limits) -> bytes:
     return data
 
 
+def inline_bytes(inline: Inline, limits: Limits) -> bytes:
+    """The bytes of a medium held in its record; raises Reject. A data: URI's payload is decoded
+    only after its decoded size (counted from its length) was found within max_file_bytes."""
+    size = decoded_size(inline)
+    if size > limits.max_file_bytes:
+        if inline.data is not None:
+            raise Reject("file-too-large", f"{size} bytes, over the limit of {limits.max_file_bytes}")
+        raise Reject(
+            "file-too-large",
+            f"decodes to {size} bytes, over the limit of {limits.max_file_bytes} (refused before decoding)",
+        )
+    if inline.data is not None:
+        return inline.data
+    text = inline.encoded or ""
+    if not inline.base64:
+        return urllib.parse.unquote_to_bytes(text)
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError) as e:  # a character outside base64, wrong padding, non-ASCII
+        raise Reject("bad-base64", f"not valid base64 ({e})") from None
+
+
+def read_medium(item: MediaItem, limits: Limits) -> bytes:
+    """A medium's bytes: its file's (`read_file`), or those held inline (no file is touched)."""
+    if item.inline is not None:
+        data = inline_bytes(item.inline, limits)
+    else:
+        assert item.path is not None, "a MediaItem holds a path or inline bytes"
+        data = read_file(item.path, limits)
+    if not data:
+        raise Reject("empty-file", "file is empty (0 bytes)" if item.inline is None else "empty (0 bytes)")
+    return data
+
+
 def prepare_entry(entry: Entry, limits: Limits) -> Union[dict, Rejection]:
     """A writable sample {id, prompt, answer, meta, media: [(kind, member, bytes)]}, or the
-    Rejection of its first bad medium."""
+    Rejection of its first bad medium (naming its file, or the field of an inline one)."""
     media = []
-    counts = Counter()
-    for kind, path in entry.media:
+    counts: Counter = Counter()
+    for item in entry.media:
         try:
-            data = read_file(path, limits)
-            if not data:
-                raise Reject("empty-file", "file is empty (0 bytes)")
-            if kind == "image":
+            data = read_medium(item, limits)
+            if item.kind == "image":
                 ext, stored = prepare_image(data, limits)
             else:
                 ext, stored = "wav", prepare_audio(data, limits)
@@ -174,10 +216,12 @@ def prepare_entry(entry: Entry, limits: Limits) -> Union[dict, Rejection]:
                     "file-too-large", f"stored form of {len(stored)} bytes is over the limit of {limits.max_file_bytes}"
                 )
         except Reject as r:
-            return Rejection(entry.id, entry.where, r.code, r.reason, file=path)
-        prefix = modality(kind).file_prefix
-        media.append((kind, f"{prefix}{counts[kind]}.{ext}", stored))
-        counts[kind] += 1
+            if item.inline is None:
+                return Rejection(entry.id, entry.where, r.code, r.reason, file=item.path)
+            return Rejection(entry.id, entry.where, r.code, f"{item.inline.name}: {r.reason}")
+        prefix = modality(item.kind).file_prefix
+        media.append((item.kind, f"{prefix}{counts[item.kind]}.{ext}", stored))
+        counts[item.kind] += 1
     sample = {"id": entry.id, "prompt": entry.prompt, "meta": entry.meta, "media": media}
     if entry.answer is not None:
         sample["answer"] = entry.answer
@@ -196,6 +240,7 @@ class MakeResult:
     rejected: list[Rejection] = field(default_factory=list)
     seconds: float = 0.0
     markers_placed: int = 0  # written samples whose prompt had no marker: media placed before the text
+    layouts: Counter = field(default_factory=Counter)  # layout -> records read in it (detected or --format)
 
     def summary(self) -> str:
         codes = Counter(r.code for r in self.rejected)
@@ -211,6 +256,8 @@ class MakeResult:
             text += f"; rejected {len(self.rejected)}: " + ", ".join(f"{n} {c}" for c, n in codes.most_common())
         else:
             text += "; rejected 0"
+        if self.layouts:
+            text += "; read as " + ", ".join(f"{n} {name}" for name, n in self.layouts.most_common())
         return text
 
     def to_json(self) -> dict:
@@ -226,6 +273,7 @@ class MakeResult:
             "markers_placed": self.markers_placed,
             "rejected": len(self.rejected),
             "rejected_by_code": dict(codes.most_common()),
+            "layouts": dict(self.layouts.most_common()),
             "seconds": round(self.seconds, 3),
         }
 
@@ -242,20 +290,21 @@ def make_shards(
     progress: bool = False,
     options: ReadOptions = ReadOptions(),
 ) -> MakeResult:
-    """Validate every sample of the manifest(s) at `source` (lines read with
-    `options`) and write the good ones with `write_shards`; every rejection goes
-    to `on_reject` and to the split's rejection list (`rejected_path`: DIR/train-rejected.jsonl
-    for DIR/train-%06d.tar; written even when empty; an existing one is never overwritten:
-    FileExistsError). progress: a bar on a terminal, else a line on stderr every
-    PROGRESS_SECONDS. On
+    """Validate every sample of the source at `source` (a manifest, a .json, parquet or datasets
+    source: sources.py; records read with `options`) and write the good ones with `write_shards`;
+    every rejection goes to `on_reject` and to the split's rejection list (`rejected_path`:
+    DIR/train-rejected.jsonl for DIR/train-%06d.tar; written even when empty; an existing one is
+    never overwritten: FileExistsError). progress: a bar on a terminal, else a line on stderr
+    every PROGRESS_SECONDS. On
     failure (an OSError such as a full disk, naming the file) nothing of this
     call is left behind."""
     t0 = time.perf_counter()
-    manifest = Manifest.from_source(source)
+    src = Source.from_path(source)
     out_dir = os.path.dirname(pattern) or "."
     os.makedirs(out_dir, exist_ok=True)
-    outcomes = Outcomes.start(manifest, rejected_path(pattern), on_reject=on_reject, progress=progress)
-    samples = good_samples(manifest, outcomes, options=options, limits=limits, workers=workers)
+    outcomes = Outcomes.start(src, rejected_path(pattern), on_reject=on_reject, progress=progress)
+    outcomes.result.layouts = src.layouts  # counted as the records are read
+    samples = good_samples(src, outcomes, options=options, limits=limits, workers=workers)
     try:
         with one_torch_thread():
             outcomes.result.shards = write_shards(samples, pattern, maxcount, maxsize)
@@ -324,11 +373,11 @@ class Outcomes:
 
     @classmethod
     def start(
-        cls, manifest: Manifest, rejected_to: str, *, on_reject: Callable[[Rejection], None], progress: bool
+        cls, source: Source, rejected_to: str, *, on_reject: Callable[[Rejection], None], progress: bool
     ) -> "Outcomes":
         """The bar, and the rejection list created (never overwritten: FileExistsError)."""
         bar = tqdm(
-            total=manifest.count_lines() if progress else None,
+            total=source.count_records() if progress else None,
             disable=not progress,
             unit="sample",
             desc="shards make",
@@ -377,14 +426,14 @@ class Outcomes:
 
 
 def good_samples(
-    manifest: Manifest, outcomes: Outcomes, *, options: ReadOptions, limits: Limits, workers: int
+    source: Source, outcomes: Outcomes, *, options: ReadOptions, limits: Limits, workers: int
 ) -> Iterator[dict]:
-    """The manifest's good samples, prepared; every line is settled with `outcomes`."""
+    """The source's good samples, prepared; every record is settled with `outcomes`."""
     # Decoding runs in threads (Pillow, libsndfile and torch release the GIL);
     # results come back in manifest order, so the shards are deterministic.
     with ThreadPoolExecutor(max(1, workers)) as pool:
         pending: list[Pending] = []
-        for item in manifest.entries(options):
+        for item in source.entries(options):
             pending.append(Pending(item, pool.submit(prepare_entry, item, limits) if isinstance(item, Entry) else None))
             if len(pending) >= 4 * max(1, workers):
                 sample = outcomes.settle(pending.pop(0))

@@ -81,8 +81,12 @@ class ChatFormat:
             ) from None
 
     def _messages(self, text: str, history: list[dict] | None = None) -> list[dict]:
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + list(history or []) + [{"role": "user", "content": text}]
+        """data.system_prompt (unless the conversation has its own system turn), the earlier turns,
+        then `text` as the last user turn."""
+        history = list(history or [])
+        own = any(t["role"] == "system" for t in history)
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and not own else []
+        return system + history + [{"role": "user", "content": text}]
 
     def _end_of_turn(self) -> int:
         """The first special token the template writes after an assistant turn's text."""
