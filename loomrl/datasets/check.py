@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from tqdm import tqdm
+
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError, load_sample, open_shard, read_header, scan_shard
 from loomrl.encoders.media import MAX_AUDIO_SECONDS, data_error, decode_audio, decode_image
 
@@ -102,7 +104,6 @@ def verify_shards(
     files: list[str], *, on_fault: Callable[[Fault], None] = lambda f: None, progress: bool = False, **limits
 ) -> VerifyResult:
     """Verify every shard; each fault goes to `on_fault` and into the result."""
-    from tqdm import tqdm
 
     result = VerifyResult()
     ids: dict[str, str] = {}

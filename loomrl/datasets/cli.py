@@ -14,6 +14,8 @@ import os
 import re
 import sys
 
+from loomrl.config.patterns import expand_pattern
+from loomrl.datasets.check import shard_stats, verify_shards
 from loomrl.datasets.files import NotRegularFile
 from loomrl.datasets.layouts import LAYOUTS
 from loomrl.datasets.manifest import FIELD_KEYS, ReadOptions
@@ -87,7 +89,6 @@ def field_mapping(text: str) -> tuple[str, str]:
 
 def expand(patterns: list[str]) -> list[str]:
     """Shard files of glob / brace patterns (or plain paths the shell already expanded)."""
-    from loomrl.config.patterns import expand_pattern
 
     files: list[str] = []
     for p in patterns:
@@ -210,7 +211,6 @@ def run_make(args, options: ReadOptions) -> MakeResult:
 
 
 def cmd_verify(args) -> int:
-    from loomrl.datasets.check import verify_shards
 
     files = expand(args.patterns)
     if not files:
@@ -231,7 +231,6 @@ def cmd_verify(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from loomrl.datasets.check import shard_stats
 
     files = expand(args.patterns)
     if not files:

@@ -17,6 +17,10 @@ import math
 import random
 
 import numpy as np
+import soundfile as sf
+from PIL import Image, ImageDraw
+
+from loomrl.datasets.shards import write_shards
 
 COLORS = {"red": (215, 45, 40), "green": (40, 190, 70), "blue": (50, 90, 235)}
 SIZES = {"small": (5, 9), "large": (16, 22)}  # radius range in pixels of a 64x64 image
@@ -45,7 +49,6 @@ def vocabulary() -> list[str]:
 
 
 def render_image(color: str, size_word: str, rng: random.Random, size: int = 64) -> bytes:
-    from PIL import Image, ImageDraw
 
     noise = np.random.default_rng(rng.getrandbits(32)).integers(0, 40, (size, size, 3), dtype=np.uint8)
     img = Image.fromarray(noise + 20)
@@ -61,7 +64,6 @@ def render_image(color: str, size_word: str, rng: random.Random, size: int = 64)
 
 
 def render_tone(pitch: str, rng: random.Random, sample_rate: int = 16000, seconds: float = 1.0) -> bytes:
-    import soundfile as sf
 
     n = int(sample_rate * seconds)
     t = np.arange(n) / sample_rate
@@ -98,7 +100,6 @@ def make_sample(index: int, rng: random.Random) -> dict:
 
 
 def write_demo_shards(directory: str, samples: int, samples_per_shard: int, seed: int) -> list[str]:
-    from loomrl.datasets.shards import write_shards
 
     rng = random.Random(seed)
     return write_shards((make_sample(i, rng) for i in range(samples)), f"{directory}/demo-%06d.tar", samples_per_shard)

@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, TextIO, Union
 
 import numpy as np
+import soundfile as sf
 import torch
+from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from loomrl.datasets.files import NotRegularFile, open_regular
@@ -52,6 +54,7 @@ from loomrl.datasets.manifest import Entry, MediaItem, ReadOptions, Rejection
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, write_shards
 from loomrl.datasets.sources import Source
 from loomrl.encoders.base import modality
+from loomrl.encoders.media import AudioTooLong, data_error, decode_image, read_audio, resample
 
 KEEP_IMAGE_FORMATS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
 
@@ -79,9 +82,6 @@ class Reject(Exception):
 
 def prepare_image(data: bytes, limits: Limits) -> tuple[str, bytes]:
     """(extension, bytes to store) of a valid image; raises Reject."""
-    from PIL import Image, UnidentifiedImageError
-
-    from loomrl.encoders.media import data_error, decode_image
 
     try:
         # The same decoder the trainer uses, with the same pixel guard.
@@ -105,9 +105,6 @@ def prepare_image(data: bytes, limits: Limits) -> tuple[str, bytes]:
 
 def prepare_audio(data: bytes, limits: Limits) -> bytes:
     """Mono 16-bit WAV at the target rate of a valid clip; raises Reject."""
-    import soundfile as sf
-
-    from loomrl.encoders.media import AudioTooLong, data_error, read_audio, resample
 
     try:
         # The same reader the trainer uses: the length is checked from the header before

@@ -43,6 +43,7 @@ from typing import BinaryIO, Iterator, Optional, Union
 
 import torch
 
+from loomrl.config.patterns import expand_pattern
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, SampleRef, ShardError, load_sample, open_shard, scan_shard
 
 
@@ -98,7 +99,6 @@ class ShardStream(torch.utils.data.IterableDataset):
         epochs: Optional[int] = None,
         max_member_bytes: int = MAX_MEMBER_BYTES,
     ):
-        from loomrl.config.patterns import expand_pattern
 
         self.files = expand_pattern(shards) if isinstance(shards, str) else sorted(shards)
         if not self.files:
