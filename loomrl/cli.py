@@ -40,9 +40,11 @@ class Refused(Exception):
 
 def cmd_run(args) -> int:
     from loomrl.platform import recipe as R
+    from loomrl.platform.parts import resolve_sources
 
     try:
         recipe = R.load_recipe(args.recipe, args.overrides, files=not args.dry_run)
+        resolve_sources(recipe, missing_ok=args.dry_run)  # data.source: its shards, made once (by a dry run too)
         if args.dry_run:
             return dry_run(recipe)
         out, lock = run_folder(args, recipe)  # the lock is held while `lock` lives: this call's length

@@ -132,6 +132,12 @@ rollout: {{n: 4, max_new_tokens: 3}}
     _run(["export", "runs/grpo/checkpoints/step-000004", "--out", "final-hf"])
 
     # --- transformers loads the final export; its logits are the trainer's
+    check_export(tmp_path, "runs/grpo", "step-000004", "final-hf")
+
+
+def check_export(tmp_path, run, step, export):
+    """transformers loads the export of `run`'s checkpoint `step`: its logits are the trainer's
+    (FP32, 1e-5) on an image prompt, and its weights moved from the base checkpoint."""
     import transformers as T
 
     from loomrl.encoders.base import load_medium
@@ -139,12 +145,12 @@ rollout: {{n: 4, max_new_tokens: 3}}
     from loomrl.platform.parts import build_policy_parts
     from loomrl.platform.recipe import load_recipe
 
-    recipe = load_recipe(tmp_path / "runs/grpo/recipe.yaml")
+    recipe = load_recipe(tmp_path / run / "recipe.yaml")
     tok, chat, policy = build_policy_parts(recipe)
-    load_checkpoint(tmp_path / "runs/grpo/checkpoints/step-000004", policy)
+    load_checkpoint(tmp_path / run / "checkpoints" / step, policy)
     policy.eval()
-    hf = T.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "final-hf", dtype=torch.float32).eval()
-    exported_tok = T.AutoTokenizer.from_pretrained(tmp_path / "final-hf", local_files_only=True)
+    hf = T.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / export, dtype=torch.float32).eval()
+    exported_tok = T.AutoTokenizer.from_pretrained(tmp_path / export, local_files_only=True)
     assert exported_tok.chat_template == CHAT_TEMPLATE
     image = load_medium("image", (tmp_path / "img/chelsea.png").read_bytes(), policy.cfg)
     ids = torch.tensor([policy.prompt_ids(tok, chat.render("<image>" + VAL_QUESTION), [image])])

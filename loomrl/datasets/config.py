@@ -27,6 +27,13 @@ class DataConfig:
     shards: str = "data/demo/demo-*.tar"
     """Shard pattern: a glob or a brace range (`dir/name-{000000..000003}.tar`),
     relative to the working directory."""
+    source: Optional[str] = None
+    """A dataset as you have it instead of shards: a JSONL manifest, a .json list, parquet, a
+    Hugging Face `datasets` folder or a folder of them (docs/shards.md). The run makes its shards
+    once into `cache` (keyed by the source's sha256), reuses them after, and reads them in place
+    of `shards`."""
+    cache: str = "data/cache"
+    """Where the shards of a `source` (and of `validation.source`) are made and kept."""
     demo: Optional[DemoDataConfig] = None
     """If set and `shards` matches nothing, generate the demo shards there.
     If null, missing shards are an error."""
@@ -48,6 +55,9 @@ class ValidationConfig:
 
     shards: Optional[str] = None
     """Shard pattern of the validation split (null: no validation)."""
+    source: Optional[str] = None
+    """The validation split as you have it (as `data.source`), instead of `shards`: its shards
+    are made once into `data.cache`."""
     every: int = ranged(10, ge=1)
     """Validate before every N-th step (steps 0, N, 2N, ...) and once more at the end."""
     samples: int = ranged(64, ge=1)

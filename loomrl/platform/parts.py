@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from loomrl.datasets.cache import cached_shards
 from loomrl.datasets.demo import write_demo_shards
 from loomrl.datasets.shards import ShardError, media_census
 from loomrl.datasets.source import PromptSample, PromptSource
@@ -25,6 +26,17 @@ from loomrl.platform.placement import choose_device
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 
 log = logging.getLogger("loomrl")
+
+
+def resolve_sources(recipe: R.Recipe, missing_ok: bool = False) -> None:
+    """`data.source` / `validation.source`: their shards made once into `data.cache` (or found
+    there), and `data.shards` / `validation.shards` set to them. missing_ok: leave a source that
+    is not on this machine alone (a dry run of a recipe for another machine notes it)."""
+    d, v = recipe.data, recipe.validation
+    if d.source is not None and not (missing_ok and not Path(d.source).exists()):
+        d.shards = cached_shards(d.source, d.cache, "data.source")
+    if v.source is not None and not (missing_ok and not Path(v.source).exists()):
+        v.shards = cached_shards(v.source, d.cache, "validation.source")
 
 
 def shard_files(recipe: R.Recipe) -> list[str]:

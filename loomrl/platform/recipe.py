@@ -14,6 +14,7 @@ before any work starts. The names of every part's config are re-exported here.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,8 +298,9 @@ def validate(r: Recipe) -> None:
     check_pattern(r.data.shards, "data.shards")
     if r.validation.shards is not None:
         check_pattern(r.validation.shards, "validation.shards")
-    if r.goal is not None and r.goal.metric.startswith("val_") and r.validation.shards is None:
-        raise RecipeError(f"goal.metric: {r.goal.metric} needs a validation split (validation.shards)")
+    no_validation = r.validation.shards is None and r.validation.source is None
+    if r.goal is not None and r.goal.metric.startswith("val_") and no_validation:
+        raise RecipeError(f"goal.metric: {r.goal.metric} needs a validation split (validation.shards or .source)")
     if algorithm.trait("supervised"):
         name = f"algorithm.name={r.algorithm.name}"
         if r.pipeline.mode != "colocated":
@@ -317,16 +319,27 @@ def validate(r: Recipe) -> None:
     validate_algorithm(r.algorithm)
 
 
+def sources(r: Recipe) -> dict[str, str]:
+    """The data the recipe names as the user has it (recipe key -> path): its shards are made
+    once into data.cache (datasets/cache.py) and read in place of data.shards / validation.shards."""
+    named = {"data.source": r.data.source, "validation.source": r.validation.source}
+    return {key: path for key, path in named.items() if path is not None}
+
+
 def file_problems(r: Recipe) -> list[str]:
     """What this machine lacks for the recipe: the shards, the tokenizer, the checkpoint the
     policy starts from, and CUDA where `training.device` is `cuda`. `loomrl run --dry-run` reports
     these as notes, so a recipe for another machine (a GPU cluster) still validates here."""
-    problems = []
-    if r.data.demo is None and not expand_pattern(r.data.shards, "data.shards"):
+    problems = [f"{key}: {show(path)} does not exist" for key, path in sources(r).items() if not os.path.exists(path)]
+    if r.data.source is None and r.data.demo is None and not expand_pattern(r.data.shards, "data.shards"):
         problems.append(
             f"data.shards: no files match {show(r.data.shards)} (and data.demo is null, so none will be generated)"
         )
-    if r.validation.shards is not None and not expand_pattern(r.validation.shards, "validation.shards"):
+    if (
+        r.validation.source is None
+        and r.validation.shards is not None
+        and not expand_pattern(r.validation.shards, "validation.shards")
+    ):
         problems.append(f"validation.shards: no files match {show(r.validation.shards)}")
     if r.data.chat_template not in ("auto", "none") and not is_file(r.data.chat_template):
         problems.append(f"data.chat_template: {show(r.data.chat_template)} is not 'auto', 'none' nor a file")
