@@ -13,6 +13,7 @@ BENCHES = {
     "drafter": "loomrl.commands.bench_drafter",
     "encoders": "loomrl.commands.bench_encoders",
     "rollout": "loomrl.commands.bench_rollout",
+    "shards": "loomrl.commands.bench_shards",
     "staleness": "loomrl.commands.bench_staleness",
 }
 
