@@ -63,8 +63,8 @@ def test_recipes_name_what_is_registered():
     assert {"grpo", "ppo", "sft", "rloo"} <= set(ALGORITHMS.names())
     with pytest.raises(
         RecipeError,
-        match=r"algorithm.name: 'gpt' is not allowed; allowed values: 'grpo', 'ppo', "
-        r"'rloo', 'sft'",
+        match=r"algorithm.name: 'gpt' is not allowed; allowed values: 'grpo', 'gspo', 'ppo', "
+        r"'reinforce\+\+', 'reinforce\+\+-baseline', 'rloo', 'sft'",
     ):
         R.load_recipe(DEMO, ["algorithm.name=gpt"])
     with pytest.raises(RecipeError, match="rollout.engine: unknown rollout engine 'gpt'; registered: torch, vllm"):

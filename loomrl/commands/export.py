@@ -148,6 +148,8 @@ def export_checkpoint(
     "text" (None: init_from's). overwrite: replace an existing non-empty `out`."""
 
     checkpoint, out = resolve_checkpoint(Path(checkpoint)), Path(out)
+    if out.is_symlink() and out.is_dir():  # a link to a folder: the export goes where it points
+        out = out.resolve()
     _check_out(out, checkpoint, overwrite)
     if isinstance(dtype, str):
         if dtype not in DTYPES:

@@ -1,6 +1,7 @@
-"""RL algorithms behind one seam (see base.py): GRPO, PPO, SFT and RLOO register themselves here."""
+"""RL algorithms behind one seam (see base.py): GRPO, GSPO, PPO, SFT, RLOO and REINFORCE++ register
+themselves here."""
 
-from loomrl.platform.algorithms import grpo, losses, ppo, rloo  # noqa: F401 (registration, in this order)
+from loomrl.platform.algorithms import grpo, gspo, losses, ppo, reinforce_pp, rloo  # noqa: F401 (registration)
 from loomrl.platform.algorithms.base import ALGORITHMS  # noqa: E402
 
 __all__ = ["ALGORITHMS"]

@@ -61,6 +61,10 @@ class AlgorithmConfig:
     `ppo`: a critic and GAE advantages, PPO-clipped ratio (Schulman et al. 2017); see `ppo`.
     `rloo`: leave-one-out baselines, A_i = r_i - mean of the group's other rewards (Ahmadian et
     al. 2024), the same clipped ratio, no std scaling.
+    `gspo`: GRPO's advantages with a sequence-level ratio (the exp of the mean token log-ratio)
+    clipped per sequence, by clip_eps_low / clip_eps_high (default 3e-4 / 4e-4; Zheng et al. 2025).
+    `reinforce++`: rewards whitened over the batch (Hu et al. 2025); `reinforce++-baseline`:
+    each group's mean subtracted first.
     `sft`: supervised fine-tuning on the samples' answers (loss on answer tokens only, the chat
     template's end-of-turn included), `training.prompts_per_step` samples per step; no rollouts
     (the reward is used by validation only)."""
@@ -73,9 +77,9 @@ class AlgorithmConfig:
     clip_eps: float = ranged(0.2, gt=0)
     """PPO clip range of the probability ratio."""
     clip_eps_low: Optional[float] = ranged(None, gt=0, lt=1)
-    """Lower clip range, ratio >= 1 - clip_eps_low (null: clip_eps)."""
+    """Lower clip range, ratio >= 1 - clip_eps_low (null: clip_eps; gspo: 3e-4)."""
     clip_eps_high: Optional[float] = ranged(None, gt=0)
-    """Upper clip range, ratio <= 1 + clip_eps_high (null: clip_eps); larger than the
+    """Upper clip range, ratio <= 1 + clip_eps_high (null: clip_eps; gspo: 4e-4); larger than the
     lower one is DAPO's "clip-higher" (Yu et al. 2025)."""
     loss_norm: Literal["token", "sequence", "constant"] = "token"
     """How token losses are averaged: `token` over all tokens of the mini-batch (DAPO),

@@ -62,6 +62,7 @@ def policy_loss(
     clip_eps_high: float | None = None,
     weights: torch.Tensor | None = None,
     loss_norm: str = "token",
+    ratio_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate: per token
     -w * min(rho * A, clip(rho, 1-eps_low, 1+eps_high) * A) + kl_coef * KL_k3,
@@ -73,11 +74,20 @@ def policy_loss(
     ("clip-higher", DAPO). weights: per-token importance weights for the rollout/trainer
     mismatch (loomrl.platform.algorithms.importance), applied to the surrogate only.
 
+    ratio_level "sequence" (GSPO): every token of a sequence takes the sequence's ratio, the exp of
+    its mean log-ratio over its completion tokens, and is clipped with it.
+
     Returns the loss and sums (not means) of diagnostics over this micro-batch's tokens.
     """
     mask = mask.float()
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    ratio = torch.exp(logp - old_logp)
+    log_ratio = logp - old_logp
+    if ratio_level == "sequence":
+        seq = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        log_ratio = seq[:, None].expand_as(logp)
+    elif ratio_level != "token":
+        raise ValueError(f"unknown ratio level {ratio_level!r}")
+    ratio = torch.exp(log_ratio)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
     surr = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv)
     per_token = -surr if weights is None else -surr * weights.detach()

@@ -33,8 +33,11 @@ def policy_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead
     value_head: PPO's head on the policy; its value loss is added. The largest importance ratio
     seen is kept in loss_fn.maxima (the engine sums stats)."""
     a, temperature, im = recipe.algorithm, recipe.rollout.temperature, recipe.algorithm.importance
-    low = a.clip_eps if a.clip_eps_low is None else a.clip_eps_low
-    high = a.clip_eps if a.clip_eps_high is None else a.clip_eps_high
+    entry = ALGORITHMS.get(a.name)
+    level = entry.trait("ratio", "token")  # GSPO: "sequence"
+    low_default, high_default = entry.trait("clip", (a.clip_eps, a.clip_eps))  # GSPO's own range
+    low = low_default if a.clip_eps_low is None else a.clip_eps_low
+    high = high_default if a.clip_eps_high is None else a.clip_eps_high
     kl_coef = a.kl_coef if a.kl_placement == "loss" else 0.0
     maxima = {"is_ratio_max": 0.0}
 
@@ -67,6 +70,7 @@ def policy_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead
             clip_eps_high=high,
             weights=None if im.mode == "none" else weights,
             loss_norm=a.loss_norm,
+            ratio_level=level,
         )
         stats.update(is_stats)
         if value_head is not None:
