@@ -9,6 +9,7 @@ import pytest
 
 from loomrl.cli import main
 from loomrl.platform.recipe import RecipeError, load_recipe
+from loomrl.platform.validation import pass_at, pass_at_k
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = str(ROOT / "recipes" / "demo.yaml")
@@ -107,6 +108,8 @@ def test_validation_in_an_rl_run(tmp_path, shards):
                 "validation.samples=6",
                 "validation.every=2",
                 "validation.temperature=1.0",
+                "validation.samples_per_prompt=4",
+                "validation.pass_threshold=0.5",
                 "goal=null",
                 "logging.tensorboard=false",
             ]
@@ -116,6 +119,16 @@ def test_validation_in_an_rl_run(tmp_path, shards):
     rows = _rows(tmp_path / "rl")
     assert [r["step"] for r in rows if "val_reward_mean" in r] == [0, 2]
     assert all("reward_mean" in r for r in rows)
+    for r in (r for r in rows if "val_reward_mean" in r):  # 6 prompts x 4 samples: pass@1 <= pass@4
+        assert 0 <= r["val_pass@1"] <= r["val_pass@4"] <= 1 and r["val_pass@1"] * 24 == round(r["val_pass@1"] * 24)
+
+
+def test_pass_at_k_is_the_unbiased_estimate():
+    assert [pass_at_k(4, 1, k) for k in (1, 2, 4)] == [0.25, 0.5, 1.0]  # 1 - C(3,k)/C(4,k)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10) and pass_at_k(4, 0, 4) == 0.0
+    # prompts 0 (1 of 4 right), 1 (none), 2 (all): pass@1 (0.25 + 0 + 1) / 3, pass@4 (1 + 0 + 1) / 3
+    got = pass_at([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2], [1, 0, 0, 0.4, 0, 0, 0.9, 0, 1, 1, 1, 1], 4, 1.0)
+    assert got == {"val_pass@1": pytest.approx(1.25 / 3), "val_pass@4": pytest.approx(2 / 3)}
 
 
 @pytest.mark.parametrize(
@@ -127,6 +140,7 @@ def test_validation_in_an_rl_run(tmp_path, shards):
         (["goal.metric=val_reward_mean"], "goal.metric"),  # ... and needs a validation split
         (["validation.shards=data/{0..3.tar"], "validation.shards"),
         (["data.system_prompt=hi", "data.chat_template=none", "validation.every=0"], "validation.every"),
+        (["validation.samples_per_prompt=4"], "validation.samples_per_prompt"),  # greedy: all the same
     ],
 )
 def test_recipe_errors_name_the_key(overrides, key):

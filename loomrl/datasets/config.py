@@ -64,6 +64,12 @@ class ValidationConfig:
     """Prompts per validation: the first N of the split, the same ones every time."""
     temperature: float = ranged(0.0, ge=0)
     """Sampling temperature of validation completions (0 = greedy)."""
+    samples_per_prompt: int = ranged(1, ge=1, le=1024)
+    """Completions per prompt, k. With k > 1 (and a temperature above 0) the metrics add `val_pass@1`
+    and `val_pass@k`: the unbiased estimates (Chen et al. 2021) that one sample, and that any of k,
+    is correct (its reward at least `pass_threshold`)."""
+    pass_threshold: float = 1.0
+    """The reward from which a validation completion counts as correct, for pass@k."""
     max_new_tokens: Optional[int] = ranged(None, ge=1)
     """Completion length cap (null: rollout.max_new_tokens)."""
     batch_size: int = ranged(64, ge=1)

@@ -298,6 +298,11 @@ def validate(r: Recipe) -> None:
     check_pattern(r.data.shards, "data.shards")
     if r.validation.shards is not None:
         check_pattern(r.validation.shards, "validation.shards")
+    if r.validation.samples_per_prompt > 1 and r.validation.temperature == 0:
+        raise RecipeError(
+            f"validation.samples_per_prompt: {r.validation.samples_per_prompt} greedy completions of a prompt "
+            f"are all the same; set validation.temperature above 0 for pass@k"
+        )
     no_validation = r.validation.shards is None and r.validation.source is None
     if r.goal is not None and r.goal.metric.startswith("val_") and no_validation:
         raise RecipeError(f"goal.metric: {r.goal.metric} needs a validation split (validation.shards or .source)")

@@ -5,6 +5,7 @@ current policy, scored by the run's rewards (`val_*` metrics). Mixed into `Train
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -17,6 +18,24 @@ from loomrl.platform.rollout.base import SamplingParams
 from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 
 log = logging.getLogger("loomrl")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate that at least one of k samples is correct, from n samples of which c
+    are (Chen et al. 2021): 1 - C(n - c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_at(owners: list[int], rewards: list[float], k: int, threshold: float) -> dict[str, float]:
+    """`val_pass@1` and `val_pass@k` over the prompts: owners[i] is the prompt of completion i."""
+    correct: dict[int, list[bool]] = {}
+    for owner, reward in zip(owners, rewards):
+        correct.setdefault(owner, []).append(reward >= threshold)
+    counts = [(len(xs), sum(xs)) for xs in correct.values()]
+    return {
+        "val_pass@1": sum(pass_at_k(n, c, 1) for n, c in counts) / len(counts),
+        f"val_pass@{k}": sum(pass_at_k(n, c, k) for n, c in counts) / len(counts),
+    }
 
 
 class Validation:
@@ -62,14 +81,14 @@ class Validation:
         t0 = time.perf_counter()
         engine = TorchRolloutEngine(self.model, None)
         params = SamplingParams(
-            n=1,
+            n=v.samples_per_prompt,
             temperature=v.temperature,
             top_p=ro.top_p if v.temperature > 0 else 1.0,
             max_new_tokens=v.max_new_tokens or ro.max_new_tokens,
         )
         # the same draws at every validation
         generator = torch.Generator(self.model.device).manual_seed(self.recipe.training.seed + 7919)
-        texts, lengths, stops = [], [], 0
+        texts, lengths, stops, owners = [], [], 0, []
         for i in range(0, len(self.val_samples), v.batch_size):
             chunk = self.val_samples[i : i + v.batch_size]
             result = engine.generate(to_prompts(chunk), params, generator)
@@ -77,18 +96,21 @@ class Validation:
                 texts.append(self.tokenizer.decode(rollout.completion_ids, skip_special_tokens=True))
                 lengths.append(len(rollout.completion_ids))
                 stops += rollout.finish_reason == "stop"
-        totals, by_source = score(self.reward_fn, texts, [s.record for s in self.val_samples])
+                owners.append(i + rollout.prompt_index)
+        totals, by_source = score(self.reward_fn, texts, [self.val_samples[j].record for j in owners])
         n = len(texts)
         out = {"val_reward_mean": sum(totals) / n, "val_response_len": sum(lengths) / n, "val_stop_rate": stops / n}
         if len(by_source) > 1:
             out.update({f"val_reward_{name}_mean": sum(xs) / n for name, xs in by_source.items()})
+        if v.samples_per_prompt > 1:
+            out.update(pass_at(owners, totals, v.samples_per_prompt, v.pass_threshold))
         out["val_s"] = time.perf_counter() - t0
         self.validations.append({"step": step, **out})
         log.info(
             "[val] step %d: reward %.3f on %d held-out prompts, %.1f tokens/response (%.1fs)",
             step,
             out["val_reward_mean"],
-            n,
+            len(self.val_samples),
             out["val_response_len"],
             out["val_s"],
         )
