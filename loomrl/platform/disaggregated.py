@@ -56,6 +56,7 @@ import torch.distributed as dist
 from loomrl.logs import setup_logging
 from loomrl.platform import faults
 from loomrl.platform import recipe as R
+from loomrl.platform.algorithms.overlong import apply_overlong
 from loomrl.platform.engines.launch import torchrun_command
 from loomrl.platform.parts import build_policy_parts, configure_torch, sampling_params
 from loomrl.platform.rewards.sources import score
@@ -255,13 +256,12 @@ class WorkerSource:
         now = time.perf_counter()
         for i, (r, reward) in enumerate(zip(meta["rollouts"], rewards)):
             parts = {name: float(v[i]) for name, v in by_source.items()}
-            self.store.put(
-                Trajectory(
-                    s.id, 0, s.ids, r["ids"], s.media, r["logp"], float(reward), meta["version"], reward_parts=parts
-                ),
-                job.key,
-                now,
+            traj = Trajectory(
+                s.id, 0, s.ids, r["ids"], s.media, r["logp"], float(reward), meta["version"], reward_parts=parts
             )
+            rc = self.trainer.recipe
+            apply_overlong(traj, r.get("finish", "stop"), rc.rollout.max_new_tokens, rc.algorithm.overlong)
+            self.store.put(traj, job.key, now)
             self.m["tokens"] += len(r["ids"])
             self.m["stop"] += r.get("finish") == "stop"
             self.m["n"] += 1

@@ -295,17 +295,7 @@ def validate(r: Recipe) -> None:
             f"({batch} trajectories) do not split into {r.training.mini_batches} "
             f"mini-batches of whole groups"
         )
-    check_pattern(r.data.shards, "data.shards")
-    if r.validation.shards is not None:
-        check_pattern(r.validation.shards, "validation.shards")
-    if r.validation.samples_per_prompt > 1 and r.validation.temperature == 0:
-        raise RecipeError(
-            f"validation.samples_per_prompt: {r.validation.samples_per_prompt} greedy completions of a prompt "
-            f"are all the same; set validation.temperature above 0 for pass@k"
-        )
-    no_validation = r.validation.shards is None and r.validation.source is None
-    if r.goal is not None and r.goal.metric.startswith("val_") and no_validation:
-        raise RecipeError(f"goal.metric: {r.goal.metric} needs a validation split (validation.shards or .source)")
+    check_data_and_validation(r)
     if algorithm.trait("supervised"):
         name = f"algorithm.name={r.algorithm.name}"
         if r.pipeline.mode != "colocated":
@@ -322,6 +312,26 @@ def validate(r: Recipe) -> None:
             )
     resolve_callable(r.algorithm.reward)
     validate_algorithm(r.algorithm)
+
+
+def check_data_and_validation(r: Recipe) -> None:
+    """The rules between the data, the rollouts and the validation split."""
+    check_pattern(r.data.shards, "data.shards")
+    if r.validation.shards is not None:
+        check_pattern(r.validation.shards, "validation.shards")
+    if r.algorithm.overlong.buffer >= r.rollout.max_new_tokens:
+        raise RecipeError(
+            f"algorithm.overlong.buffer: {r.algorithm.overlong.buffer} must be below rollout.max_new_tokens "
+            f"({r.rollout.max_new_tokens}): the penalty starts that many tokens before the cap"
+        )
+    if r.validation.samples_per_prompt > 1 and r.validation.temperature == 0:
+        raise RecipeError(
+            f"validation.samples_per_prompt: {r.validation.samples_per_prompt} greedy completions of a prompt "
+            f"are all the same; set validation.temperature above 0 for pass@k"
+        )
+    no_validation = r.validation.shards is None and r.validation.source is None
+    if r.goal is not None and r.goal.metric.startswith("val_") and no_validation:
+        raise RecipeError(f"goal.metric: {r.goal.metric} needs a validation split (validation.shards or .source)")
 
 
 def sources(r: Recipe) -> dict[str, str]:

@@ -53,6 +53,20 @@ class PPOConfig:
 
 
 @dataclass
+class OverlongConfig:
+    """Overlong responses (DAPO): a soft length penalty before `rollout.max_new_tokens`, and
+    truncated responses filtered from the loss (algorithms/overlong.py)."""
+
+    buffer: int = ranged(0, ge=0)
+    """Tokens before rollout.max_new_tokens over which the reward is lowered linearly, to -penalty
+    at the cap (DAPO's L_cache; 0 = off)."""
+    penalty: float = ranged(1.0, ge=0)
+    """The reward taken off a response that reaches rollout.max_new_tokens."""
+    filter: bool = False
+    """Truncated responses (cut at rollout.max_new_tokens without their stop token) train no token."""
+
+
+@dataclass
 class AlgorithmConfig:
     """The RL objective."""
 
@@ -99,6 +113,8 @@ class AlgorithmConfig:
     """Passes over each step's rollouts (PPO epochs)."""
     importance: ImportanceConfig = field(default_factory=ImportanceConfig)
     """Rollout/trainer importance correction; its ratio is reported every step."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """Overlong shaping and filtering (DAPO)."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO's critic and GAE."""
 

@@ -106,7 +106,8 @@ def micro_batches(
     `micro_batch_size`. device: where the tensors go (the model's)."""
     chunks = split(trajs, micro_batch_size) if rows is None else [[trajs[i] for i in idx] for idx in rows]
     mbs = [collate(c, pad_id, device) for c in chunks]
-    total = float(sum(t.trained_tokens() for t in trajs))  # the loss masks' sum, counted on the host
+    # the loss masks' sum, counted on the host (at least 1: a mini-batch of filtered responses trains nothing)
+    total = float(max(1, sum(t.trained_tokens() for t in trajs)))
     for mb in mbs:
         mb.normaliser = total
         mb.sequences = len(trajs)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from loomrl.encoders.media import Medium
 from loomrl.platform import faults
+from loomrl.platform.algorithms.overlong import apply_overlong
 from loomrl.platform.engines.base import check_rank_agreement, gather_rank_states, rank_state, world
 from loomrl.platform.parts import sampling_params, to_prompts
 from loomrl.platform.rewards.sources import score
@@ -135,6 +136,7 @@ def pack_batches(batches: list[list[Trajectory]], meta: Optional[dict] = None) -
                     "reward": t.reward,
                     "version": t.version,
                     "parts": t.reward_parts,
+                    "mask": t.completion_mask,
                     "media": refs,
                 }
             )
@@ -164,6 +166,7 @@ def unpack_batches(buf: torch.Tensor) -> tuple[list[list[Trajectory]], dict]:
                 r["reward"],
                 r["version"],
                 reward_parts=r["parts"],
+                completion_mask=r.get("mask"),
             )
             for r in row
         ]
@@ -320,6 +323,8 @@ class ColocatedSource:
             )
             for row in every_row
         ]
+        for t, row in zip(trajs, every_row):  # DAPO's length shaping and truncation filter, when set
+            apply_overlong(t, row.finish_reason, self.recipe.rollout.max_new_tokens, self.recipe.algorithm.overlong)
         ranks_agree = check_rank_agreement(step, trajs)  # the exchange gave every rank the same step
         self.metrics = self._rollout_metrics(samples, trajs, every_row, gathered, ranks_agree)
         if self.rollout.drafter is not None:
