@@ -156,7 +156,7 @@ class Entry:
 
 @dataclass
 class Rejection:
-    """A sample (or line) left out, and why: reported on stderr and in rejected.jsonl."""
+    """A sample (or line) left out, and why: reported on stderr and in the split's rejection list."""
 
     id: Optional[str]
     where: str  # manifest.jsonl:LINE
