@@ -12,9 +12,11 @@ import torch
 import transformers
 
 from loomrl.cli import main
-from loomrl.commands.plan import make_plan
+from loomrl.commands.plan import PlanError, make_plan
 from loomrl.platform import recipe as R
 from loomrl.platform.backbone.hf_io import decoder_config
+from loomrl.platform.engines.base import TRAINING_ENGINES
+from loomrl.platform.memory import MemoryTerm, TrainingMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO3 = str(ROOT / "recipes/qwen2.5-vl-3b-grpo-zero3.yaml")
@@ -208,3 +210,38 @@ def test_errors_name_the_key_or_file(tmp_path, capsys):
     assert "model.intermediate_size" in err and "11008" in err
     with pytest.raises(SystemExit):
         main(["plan", ZERO3, "--gpu-memory", "-3"])
+
+
+@pytest.fixture()
+def halves_engine():
+    """A training engine added by one registration, its memory model with it (docs/extending.md), removed after."""
+
+    def memory(sizes, prec, training, *, dp, tp):
+        half = MemoryTerm(sizes.params * prec.weight // 2, f"{sizes.params:,} params x {prec.weight} B / 2")
+        return TrainingMemory(
+            weights=half, gradients=half, optimizer=half, cpu_bytes=0, desc="halves", policy_copy=True
+        )
+
+    @TRAINING_ENGINES.register("halves", memory=memory, tensor_parallel=lambda training: 2)
+    class Halves:
+        pass
+
+    @TRAINING_ENGINES.register("forgetful")
+    class Forgetful:
+        pass
+
+    yield
+    TRAINING_ENGINES._entries.pop("halves")
+    TRAINING_ENGINES._entries.pop("forgetful")
+
+
+def test_a_new_training_engine_brings_its_memory_model(halves_engine):
+    """The plan reads the engine's traits, not its name: its `memory`, its `tensor_parallel`."""
+    demo = ROOT / "recipes/demo.yaml"
+    plan = make_plan(R.load_recipe(demo, ["training.engine=halves", "training.nproc=4"], files=False), demo)
+    p, n = plan.to_json(), plan.counts.total
+    assert p["ranks"] == {"world": 4, "dp": 2, "tp": 2} and plan.engine_desc == "halves, fp32"
+    assert p["per_rank_bytes"]["weights"] == 4 * n // 2 and plan.how["weights"] == f"{n:,} params x 4 B / 2"
+    assert p["per_rank_bytes"]["policy_copy"] == 4 * n  # the trainer's copy beside the engine's
+    with pytest.raises(PlanError, match="training.engine: the training engine 'forgetful' has no `memory` trait"):
+        make_plan(R.load_recipe(demo, ["training.engine=forgetful"], files=False), demo)

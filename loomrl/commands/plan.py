@@ -27,9 +27,7 @@ from typing import Optional
 
 from loomrl.commands.plan_bytes import (
     GIB,
-    PROMPT_ALLOWANCE,
-    VLLM_BYTES,
-    Term,
+    MemoryTerm,
     activation_bytes,
     activations,
     kept_copies,
@@ -62,10 +60,8 @@ __all__ = [
     "GIB",
     "PARTS",
     "PROJECTORS",
-    "PROMPT_ALLOWANCE",
     "TOWERS",
     "TRANSFORMERS_CLASSES",
-    "VLLM_BYTES",
     "Counts",
     "Plan",
     "PlanError",
@@ -194,16 +190,16 @@ def make_plan(
     ranks = ranks_of(recipe)
     prec = precision_of(recipe, ranks.engine)
     vocab = vocab_rows(c, ranks)
-    state = training_state(c, recipe, ranks, prec, vocab=vocab)
+    state = training_state(c, recipe, ranks, prec)
     mb = micro_batch_of(recipe, seq_len, fused_attention)
     act = activations(c, mb, prec, tp=ranks.tp, vocab=vocab)
     terms = {
         "weights": state.weights,
         "gradients": state.gradients,
         "optimizer": state.optimizer,
-        "activations": Term(act.bytes["total"], act.how),
+        "activations": MemoryTerm(act.bytes["total"], act.how),
         "rollout": rollout_term(c, recipe, world=ranks.world, seq_len=mb.seq_len),
-        **kept_copies(c, recipe, ranks.engine),
+        **kept_copies(c, recipe, policy_copy=state.policy_copy),
     }
     per_rank = {kind: term.bytes for kind, term in terms.items()}
     per_rank["total"] = sum(per_rank.values())

@@ -1,12 +1,20 @@
 """The bytes each training rank holds under `loomrl plan`, by kind, from the parameter counts.
 
 The other half of `loomrl plan`: plan_params.py counts the parameters; this module turns the counts
-into bytes per rank, one kind at a time, each a `Term` (its bytes and the line saying how they were
-reckoned); loomrl/commands/plan.py runs the phases in order and adds the kinds up into a `Plan`.
+into bytes per rank, one kind at a time, each a `MemoryTerm` (its bytes and the line saying how they
+were reckoned); loomrl/commands/plan.py runs the phases in order and adds the kinds up into a `Plan`.
 The phases, each a function of the recipe and what the earlier ones found: `ranks_of` (world, tp,
 dp), `precision_of` (bytes per weight, activation and optimizer entry), `vocab_rows`,
 `training_state` (weights, gradients, optimizer, as the engine shards them), `micro_batch_of` and
 `activations`, `rollout_term`, `kept_copies` (the policy copy, the reference), `plan_notes`.
+
+What depends on the engine is read from its registry entry, never from its name (the functions in
+the engine's own module; loomrl/platform/memory.py holds the plain data they take and return): a
+training engine's `memory` (weights, gradients, optimizer per rank, and whether the trainer keeps a
+policy copy beside it), `tensor_parallel` (tp of its config), `padded_vocab`, `bf16` (its own BF16
+switch) and `autocast` (its bf16 keeps fp32 weights); a rollout engine's `sequence_length` (the
+tokens it bounds a sequence to) and `memory` (what it holds on a trainer rank). The formulas below
+are the registered engines'.
 
 Bytes per rank (P: parameters, T: trainable ones, w: 2 bytes in bf16, else 4 for fp32; the torch
 engine's `training.precision: bf16` is autocast: its weights, gradients and optimizer stay fp32, only
@@ -54,16 +62,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional
 
-from loomrl.commands.plan_params import Counts
+from loomrl.commands.plan_params import Counts, PlanError
+from loomrl.config.registry import Registry
 from loomrl.platform import recipe as R
 from loomrl.platform.algorithms import ALGORITHMS
-from loomrl.platform.engines.megatron_convert import padded_vocab
-
-GIB = 1 << 30
-PROMPT_ALLOWANCE = 512  # prompt tokens assumed without vLLM's max_model_len
-VLLM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from loomrl.platform.engines.base import TRAINING_ENGINES
+from loomrl.platform.memory import GIB, MemoryTerm, ModelSizes, Precision, TrainingMemory
+from loomrl.platform.rollout.base import ROLLOUT_ENGINES
 
 
 @dataclass(frozen=True)
@@ -74,47 +81,11 @@ class Ranks:
     world: int
     """training.nproc"""
     tp: int
-    """Megatron's tensor parallelism (1 for the other engines)."""
+    """The engine's tensor parallelism (its `tensor_parallel` trait; 1 without one)."""
     dp: int
 
     def as_dict(self) -> dict:
         return {"world": self.world, "dp": self.dp, "tp": self.tp}
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per number, by what holds it."""
-
-    weight: int
-    """w: bytes per weight and per gradient (2 when the engine keeps bf16 weights, else 4)."""
-    activation: int
-    """Bytes per activation: 2 under any bf16, the torch engine's autocast included."""
-    optimizer: int
-    """Optimizer state per trainable parameter."""
-    optimizer_what: str
-    dtype: str
-    """The weights' dtype as the plan shows it."""
-
-
-@dataclass(frozen=True)
-class Term:
-    """One kind's bytes per rank, and how they were reckoned (the table's `how` column)."""
-
-    bytes: Union[int, float]
-    how: str
-
-
-@dataclass(frozen=True)
-class TrainingState:
-    """Weights, gradients and optimizer state per rank, as the engine shards them."""
-
-    weights: Term
-    gradients: Term
-    optimizer: Term
-    cpu_bytes: int
-    """The optimizer offloaded to host memory (0 when it is on the GPU)."""
-    desc: str
-    """The engine as the plan describes it (`deepspeed ZeRO-3`, ...)."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +107,30 @@ class Activations:
     how: str
 
 
-def _ceil_div(a: float, b: int) -> int:
-    return int(math.ceil(a / b))
+def _trait(registry: Registry, name: str, trait: str) -> Any:
+    """The `trait` of the part registered as `name`; a PlanError when it has none (a memory model
+    the plan cannot do without)."""
+    value = registry.get(name).trait(trait)
+    if value is None:
+        raise PlanError(f"{registry.key}: the {registry.kind} {name!r} has no `{trait}` trait for `loomrl plan`")
+    return value
+
+
+def sizes_of(c: Counts) -> ModelSizes:
+    """The counts as the engines' memory models read them (P counts the LoRA adapters)."""
+    return ModelSizes(
+        params=c.total + c.lora,
+        trainable=c.trainable,
+        language_model=c.language_model,
+        tp_split=c.lm_tp,
+        tp_split_trainable=c.trainable_tp,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        num_layers=c.num_layers,
+        tied=c.tied,
+    )
 
 
 def _bf16(recipe: R.Recipe) -> bool:
@@ -145,21 +138,16 @@ def _bf16(recipe: R.Recipe) -> bool:
     precision = str(getattr(t, "precision", "") or "").lower()
     if precision in ("bf16", "bfloat16"):
         return True
-    if t.engine == "deepspeed":
-        return bool(t.deepspeed.bf16)
-    return bool(getattr(getattr(t, t.engine, None), "bf16", False))
+    switch = TRAINING_ENGINES.get(t.engine).trait("bf16")
+    return bool(switch(t)) if switch is not None else False
 
 
 def sequence_length(recipe: R.Recipe, override: Optional[int] = None) -> tuple[int, str]:
-    """(tokens per trained sequence, where that figure comes from)."""
+    """(tokens per trained sequence, where that figure comes from): the rollout engine's
+    `sequence_length` trait."""
     if override is not None:
         return override, "--seq-len"
-    if recipe.rollout.engine == "vllm":
-        return recipe.rollout.vllm.max_model_len, "rollout.vllm.max_model_len"
-    return (
-        PROMPT_ALLOWANCE + recipe.rollout.max_new_tokens,
-        f"{PROMPT_ALLOWANCE} prompt tokens + rollout.max_new_tokens; --seq-len to set it",
-    )
+    return _trait(ROLLOUT_ENGINES, recipe.rollout.engine, "sequence_length")(recipe.rollout)
 
 
 def activation_bytes(
@@ -190,18 +178,20 @@ def activation_bytes(
 
 
 def ranks_of(recipe: R.Recipe) -> Ranks:
-    """world = training.nproc, tp = training.megatron.tensor_parallel for Megatron else 1, dp = world / tp."""
+    """world = training.nproc, tp = the engine's `tensor_parallel` trait (Megatron's
+    training.megatron.tensor_parallel) else 1, dp = world / tp."""
     t = recipe.training
-    tp = t.megatron.tensor_parallel if t.engine == "megatron" else 1
+    tp_of = TRAINING_ENGINES.get(t.engine).trait("tensor_parallel")
+    tp = tp_of(t) if tp_of is not None else 1
     return Ranks(engine=t.engine, world=t.nproc, tp=tp, dp=t.nproc // tp)
 
 
 def precision_of(recipe: R.Recipe, engine: str) -> Precision:
     """Bytes per weight, activation and optimizer entry under the recipe's precision and engine."""
     bf16 = _bf16(recipe)
-    # the torch engine's bf16 is autocast: FP32 weights, gradients and optimizer, BF16 activations;
-    # DeepSpeed's keeps BF16 weights and gradients beside an FP32 master copy
-    bf16_weights = bf16 and engine != "torch"
+    # an `autocast` engine's bf16 (torch's) is autocast: FP32 weights, gradients and optimizer, BF16 activations;
+    # the others (DeepSpeed's) keep BF16 weights and gradients beside an FP32 master copy
+    bf16_weights = bf16 and not TRAINING_ENGINES.get(engine).trait("autocast", False)
     return Precision(
         weight=2 if bf16_weights else 4,
         activation=2 if bf16 else 4,
@@ -212,70 +202,17 @@ def precision_of(recipe: R.Recipe, engine: str) -> Precision:
 
 
 def vocab_rows(c: Counts, ranks: Ranks) -> int:
-    """The vocabulary's rows as the engine holds them: Megatron pads them to a multiple of tp."""
-    return padded_vocab(c.vocab_size, ranks.tp) if ranks.engine == "megatron" else c.vocab_size
+    """The vocabulary's rows as the engine holds them: its `padded_vocab` trait pads them (Megatron: to
+    a multiple of tp)."""
+    pad = TRAINING_ENGINES.get(ranks.engine).trait("padded_vocab")
+    return pad(c.vocab_size, ranks.tp) if pad is not None else c.vocab_size
 
 
-def training_state(c: Counts, recipe: R.Recipe, ranks: Ranks, prec: Precision, *, vocab: int) -> TrainingState:
-    """Weights, gradients and optimizer per rank: ZeRO shards them over dp, Megatron over tp, torch
-    not at all. vocab: `vocab_rows`."""
-    P, T = c.total + c.lora, c.trainable
-    if ranks.engine == "deepspeed":
-        return _deepspeed_state(recipe.training.deepspeed, prec, P=P, T=T, dp=ranks.dp)
-    if ranks.engine == "megatron":
-        return _megatron_state(c, prec, P=P, T=T, tp=ranks.tp, vocab=vocab)
-    return _torch_state(prec, P=P, T=T)
-
-
-def _deepspeed_state(ds, prec: Precision, *, P: int, T: int, dp: int) -> TrainingState:
-    z, w, opt_per = ds.zero_stage, prec.weight, prec.optimizer
-    shard_w, shard_g, shard_o = (dp if z >= 3 else 1), (dp if z >= 2 else 1), (dp if z >= 1 else 1)
-    weights = Term(_ceil_div(P * w, shard_w), f"{P:,} params x {w} B" + (f" / {dp} (ZeRO-3)" if shard_w > 1 else ""))
-    grads = Term(_ceil_div(T * w, shard_g), f"{T:,} trainable x {w} B" + (f" / {dp} (ZeRO-2+)" if shard_g > 1 else ""))
-    opt = Term(
-        _ceil_div(T * opt_per, shard_o),
-        f"{T:,} trainable x {opt_per} B ({prec.optimizer_what})" + (f" / {dp} (ZeRO-1+)" if shard_o > 1 else ""),
-    )
-    desc = f"deepspeed ZeRO-{z}"
-    cpu = 0
-    if ds.offload_optimizer:
-        cpu = opt.bytes
-        opt = Term(0, f"offloaded to host memory ({cpu / GIB:.2f} GiB per rank)")
-        desc += ", optimizer offloaded"
-    return TrainingState(weights=weights, gradients=grads, optimizer=opt, cpu_bytes=cpu, desc=desc)
-
-
-def _megatron_state(c: Counts, prec: Precision, *, P: int, T: int, tp: int, vocab: int) -> TrainingState:
-    w, opt_per = prec.weight, prec.optimizer
-    pad = (vocab - c.vocab_size) * c.hidden_size * (1 if c.tied else 2)
-    sharded, rest = c.lm_tp + pad, P - c.lm_tp
-    t_sharded, t_rest = c.trainable_tp, T - c.trainable_tp
-    return TrainingState(
-        weights=Term(
-            (rest + _ceil_div(sharded, tp)) * w,
-            f"({rest:,} replicated + {sharded:,} language-model linear/embedding / {tp} (TP)) x {w} B",
-        ),
-        gradients=Term(
-            (t_rest + _ceil_div(t_sharded, tp)) * w, f"({t_rest:,} + {t_sharded:,} / {tp}) trainable x {w} B"
-        ),
-        optimizer=Term(
-            (t_rest + _ceil_div(t_sharded, tp)) * opt_per,
-            f"({t_rest:,} + {t_sharded:,} / {tp}) trainable x {opt_per} B ({prec.optimizer_what})",
-        ),
-        cpu_bytes=0,
-        desc=f"megatron TP {tp}",
-    )
-
-
-def _torch_state(prec: Precision, *, P: int, T: int) -> TrainingState:
-    w, opt_per = prec.weight, prec.optimizer
-    return TrainingState(
-        weights=Term(P * w, f"{P:,} params x {w} B"),
-        gradients=Term(T * w, f"{T:,} trainable x {w} B"),
-        optimizer=Term(T * opt_per, f"{T:,} trainable x {opt_per} B ({prec.optimizer_what})"),
-        cpu_bytes=0,
-        desc="torch (one process)",
-    )
+def training_state(c: Counts, recipe: R.Recipe, ranks: Ranks, prec: Precision) -> TrainingMemory:
+    """Weights, gradients and optimizer per rank, as the engine's `memory` trait reckons them (ZeRO
+    shards them over dp, Megatron over tp, torch not at all)."""
+    memory = _trait(TRAINING_ENGINES, ranks.engine, "memory")
+    return memory(sizes_of(c), prec, recipe.training, dp=ranks.dp, tp=ranks.tp)
 
 
 def micro_batch_of(recipe: R.Recipe, seq_len: Optional[int], fused_attention: bool) -> MicroBatch:
@@ -309,39 +246,28 @@ def activations(c: Counts, mb: MicroBatch, prec: Precision, *, tp: int, vocab: i
     return Activations(bytes=act, how=how)
 
 
-def rollout_term(c: Counts, recipe: R.Recipe, *, world: int, seq_len: int) -> Term:
-    """What a colocated rollout engine holds on a trainer rank (nothing when disaggregated)."""
+def rollout_term(c: Counts, recipe: R.Recipe, *, world: int, seq_len: int) -> MemoryTerm:
+    """What a colocated rollout engine holds on a trainer rank, as its `memory` trait reckons it for one
+    step's share of rollouts (nothing when disaggregated)."""
     r = recipe.rollout
-    head_dim = c.hidden_size // c.num_heads
     if recipe.pipeline.mode == "disaggregated":
-        return Term(0, "disaggregated: the rollout workers hold the rollout engine, not the trainer ranks")
-    if r.engine == "vllm":
-        vb = VLLM_BYTES[r.vllm.dtype]
-        return Term(
-            c.language_model * vb + r.vllm.kv_cache_gib * GIB,
-            f"vLLM: {c.language_model:,} language-model params x {vb} B ({r.vllm.dtype}) + "
-            f"KV cache {r.vllm.kv_cache_gib} GiB (rollout.vllm.kv_cache_gib)",
-        )
+        return MemoryTerm(0, "disaggregated: the rollout workers hold the rollout engine, not the trainer ranks")
     rows = math.ceil(recipe.training.prompts_per_step / world) * r.n
-    return Term(
-        2 * c.num_layers * c.num_kv_heads * head_dim * seq_len * rows * 4,
-        f"built-in engine KV cache: 2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x "
-        f"{head_dim} x {seq_len} tokens x {rows} rows x 4 B (weights: the policy's)",
-    )
+    return _trait(ROLLOUT_ENGINES, r.engine, "memory")(sizes_of(c), r, seq_len=seq_len, rollouts=rows)
 
 
-def kept_copies(c: Counts, recipe: R.Recipe, engine: str) -> dict[str, Term]:
-    """The float32 policies kept beside the engine's: the trainer's copy for the rollouts (DeepSpeed,
-    Megatron), the frozen reference of a KL penalty."""
+def kept_copies(c: Counts, recipe: R.Recipe, *, policy_copy: bool) -> dict[str, MemoryTerm]:
+    """The float32 policies kept beside the engine's: the trainer's copy for the rollouts (policy_copy:
+    the engine trains its own, as DeepSpeed and Megatron do), the frozen reference of a KL penalty."""
     out = {}
-    if engine != "torch":
-        out["policy_copy"] = Term(
+    if policy_copy:
+        out["policy_copy"] = MemoryTerm(
             c.total * 4,
             f"{c.total:,} params x 4 B: the trainer's float32 policy the rollouts use "
             f"(reloaded from the engine after each step)",
         )
     if recipe.algorithm.kl_coef > 0 and not ALGORITHMS.get(recipe.algorithm.name).trait("supervised"):
-        out["reference"] = Term(
+        out["reference"] = MemoryTerm(
             c.total * 4, f"{c.total:,} params x 4 B: the frozen reference policy (algorithm.kl_coef > 0)"
         )
     return out

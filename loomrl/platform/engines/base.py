@@ -23,6 +23,15 @@ the launcher read (docs/extending.md):
     lora              it runs the policy's own modules, LoRA adapters included
     check(recipe)     its own refusals (RecipeError naming the key), e.g. a tensor-parallel size
 
+and, for `loomrl plan` (loomrl/platform/memory.py holds the plain data they take and return):
+
+    memory(sizes, precision, training, *, dp, tp) -> TrainingMemory
+                      its weights, gradients and optimizer per rank, as it shards them
+    tensor_parallel(training)   the tensor-parallel size of its config; absent: 1
+    padded_vocab(vocab, tp)     the vocabulary's rows as it pads them; absent: unpadded
+    bf16(training)    its own BF16 switch beside `training.precision`; absent: none
+    autocast          its bf16 is autocast over fp32 weights, gradients and optimizer
+
 Data parallelism: every rank rolls out its own share of a step's prompts and the
 ranks exchange the trajectories (`trajectory/sources.py`), so every rank holds the
 same mini-batch and trains on its share of the micro-batches (`rank_share`); each micro-batch

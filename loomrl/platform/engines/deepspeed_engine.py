@@ -45,6 +45,7 @@ from loomrl.platform.engines.base import (
 )
 from loomrl.platform.engines.launch import init_distributed
 from loomrl.platform.faults import maybe_die
+from loomrl.platform.memory import GIB, MemoryTerm, ModelSizes, Precision, TrainingMemory, ceil_div
 
 
 def deepspeed_config(cfg) -> dict:
@@ -109,7 +110,45 @@ def check_recipe(r) -> None:
         )
 
 
-@TRAINING_ENGINES.register("deepspeed", distributed=True, value_model=False, lora=True, check=check_recipe)
+def bf16_switch(training) -> bool:
+    """Its own BF16 switch beside `training.precision`: `training.deepspeed.bf16`."""
+    return bool(training.deepspeed.bf16)
+
+
+def training_memory(sizes: ModelSizes, prec: Precision, training, *, dp: int, tp: int) -> TrainingMemory:
+    """Its bytes per rank (`loomrl plan`): ZeRO-1 divides the optimizer by dp, ZeRO-2 also the
+    gradients, ZeRO-3 also the weights; `offload_optimizer` moves the optimizer to host memory."""
+    ds, P, T = training.deepspeed, sizes.params, sizes.trainable
+    z, w, opt_per = ds.zero_stage, prec.weight, prec.optimizer
+    shard_w, shard_g, shard_o = (dp if z >= 3 else 1), (dp if z >= 2 else 1), (dp if z >= 1 else 1)
+    weights = MemoryTerm(
+        ceil_div(P * w, shard_w), f"{P:,} params x {w} B" + (f" / {dp} (ZeRO-3)" if shard_w > 1 else "")
+    )
+    grads = MemoryTerm(
+        ceil_div(T * w, shard_g), f"{T:,} trainable x {w} B" + (f" / {dp} (ZeRO-2+)" if shard_g > 1 else "")
+    )
+    opt = MemoryTerm(
+        ceil_div(T * opt_per, shard_o),
+        f"{T:,} trainable x {opt_per} B ({prec.optimizer_what})" + (f" / {dp} (ZeRO-1+)" if shard_o > 1 else ""),
+    )
+    desc = f"deepspeed ZeRO-{z}"
+    cpu = 0
+    if ds.offload_optimizer:
+        cpu = opt.bytes
+        opt = MemoryTerm(0, f"offloaded to host memory ({cpu / GIB:.2f} GiB per rank)")
+        desc += ", optimizer offloaded"
+    return TrainingMemory(weights=weights, gradients=grads, optimizer=opt, cpu_bytes=cpu, desc=desc, policy_copy=True)
+
+
+@TRAINING_ENGINES.register(
+    "deepspeed",
+    distributed=True,
+    value_model=False,
+    lora=True,
+    check=check_recipe,
+    bf16=bf16_switch,
+    memory=training_memory,
+)
 class DeepSpeedTrainEngine:
     supports_hook = False
 

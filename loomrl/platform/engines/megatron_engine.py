@@ -58,6 +58,7 @@ from loomrl.platform.engines.base import (
 from loomrl.platform.engines.launch import init_distributed
 from loomrl.platform.engines.megatron_convert import Dims, hf_to_megatron, megatron_to_hf, padded_vocab
 from loomrl.platform.faults import maybe_die
+from loomrl.platform.memory import MemoryTerm, ModelSizes, Precision, TrainingMemory, ceil_div
 
 # --------------------------------------------------------------------------- process groups
 
@@ -328,7 +329,47 @@ def check_recipe(r) -> None:
         )
 
 
-@TRAINING_ENGINES.register("megatron", distributed=True, value_model=False, lora=False, check=check_recipe)
+def tensor_parallel_size(training) -> int:
+    """The ranks one copy of the language model is split over: `training.megatron.tensor_parallel`."""
+    return training.megatron.tensor_parallel
+
+
+def training_memory(sizes: ModelSizes, prec: Precision, training, *, dp: int, tp: int) -> TrainingMemory:
+    """Its bytes per rank (`loomrl plan`): the language model's linear weights and biases and its
+    vocab-parallel embedding and head (the vocabulary padded to a multiple of tp) divided by tp,
+    the rest (norms, towers, projector) replicated; gradients and optimizer as the weights."""
+    w, opt_per, P, T = prec.weight, prec.optimizer, sizes.params, sizes.trainable
+    pad = (padded_vocab(sizes.vocab_size, tp) - sizes.vocab_size) * sizes.hidden_size * (1 if sizes.tied else 2)
+    sharded, rest = sizes.tp_split + pad, P - sizes.tp_split
+    t_sharded, t_rest = sizes.tp_split_trainable, T - sizes.tp_split_trainable
+    return TrainingMemory(
+        weights=MemoryTerm(
+            (rest + ceil_div(sharded, tp)) * w,
+            f"({rest:,} replicated + {sharded:,} language-model linear/embedding / {tp} (TP)) x {w} B",
+        ),
+        gradients=MemoryTerm(
+            (t_rest + ceil_div(t_sharded, tp)) * w, f"({t_rest:,} + {t_sharded:,} / {tp}) trainable x {w} B"
+        ),
+        optimizer=MemoryTerm(
+            (t_rest + ceil_div(t_sharded, tp)) * opt_per,
+            f"({t_rest:,} + {t_sharded:,} / {tp}) trainable x {opt_per} B ({prec.optimizer_what})",
+        ),
+        cpu_bytes=0,
+        desc=f"megatron TP {tp}",
+        policy_copy=True,
+    )
+
+
+@TRAINING_ENGINES.register(
+    "megatron",
+    distributed=True,
+    value_model=False,
+    lora=False,
+    check=check_recipe,
+    tensor_parallel=tensor_parallel_size,
+    padded_vocab=padded_vocab,
+    memory=training_memory,
+)
 class MegatronTrainEngine:
     supports_hook = True  # plain autograd: the encoding-cache hook's single encoder backward works
 

@@ -23,6 +23,7 @@ from torch import nn
 from loomrl.platform.engines.base import TRAINING_ENGINES
 from loomrl.platform.engines.config import TrainingConfig
 from loomrl.platform.faults import maybe_die
+from loomrl.platform.memory import MemoryTerm, ModelSizes, Precision, TrainingMemory
 
 LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, float]]]
 
@@ -49,7 +50,20 @@ class MiniBatchHook(Protocol):
         """After the last micro-batch's backward, before clipping and the optimizer step."""
 
 
-@TRAINING_ENGINES.register("torch", processes_max=1, value_model=True, lora=True)
+def training_memory(sizes: ModelSizes, prec: Precision, training, *, dp: int, tp: int) -> TrainingMemory:
+    """Its bytes per rank (`loomrl plan`): one process, the policy itself trained, nothing sharded."""
+    P, T, w, opt_per = sizes.params, sizes.trainable, prec.weight, prec.optimizer
+    return TrainingMemory(
+        weights=MemoryTerm(P * w, f"{P:,} params x {w} B"),
+        gradients=MemoryTerm(T * w, f"{T:,} trainable x {w} B"),
+        optimizer=MemoryTerm(T * opt_per, f"{T:,} trainable x {opt_per} B ({prec.optimizer_what})"),
+        cpu_bytes=0,
+        desc="torch (one process)",
+        policy_copy=False,
+    )
+
+
+@TRAINING_ENGINES.register("torch", processes_max=1, value_model=True, lora=True, autocast=True, memory=training_memory)
 class TorchTrainEngine:
     supports_hook = True  # runs a MiniBatchHook around the micro-batches (the encoding cache)
 

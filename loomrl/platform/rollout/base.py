@@ -16,9 +16,11 @@ ROLLOUT_ENGINES: Registry = Registry("rollout engine", key="rollout.engine")
 """The rollout engines by name (`rollout.engine`), filled by the engine modules, which the package
 imports. An entry's object has `from_recipe(recipe, model)`; its traits: `rounding`, the
 `model.rounding` mode that `auto` takes with this engine (the BF16 trainer forward measured
-closest to it, docs/rounding.md), and `check(recipe)`, its own refusals (RecipeError naming the
-key). An engine may also have `sync_health(step, model, prompts, params) -> dict`, metrics that
-compare it with the trainer after a weight sync (docs/extending.md)."""
+closest to it, docs/rounding.md), `check(recipe)`, its own refusals (RecipeError naming the
+key), and for `loomrl plan` `sequence_length(rollout) -> (tokens, where from)`, the length it bounds
+a sequence to, and `memory(sizes, rollout, *, seq_len, rollouts) -> MemoryTerm`, what it holds on a
+trainer rank (loomrl/platform/memory.py). An engine may also have `sync_health(step, model, prompts,
+params) -> dict`, metrics that compare it with the trainer after a weight sync (docs/extending.md)."""
 
 
 @dataclass

@@ -41,6 +41,7 @@ from loomrl.platform.rollout.config import DrafterConfig
 from loomrl.platform.rollout.draft_control import Choice, DraftController
 from loomrl.platform.rollout.drafter import Draft, NgramDrafter, Tree
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
+from loomrl.platform.rollout.torch_memory import rollout_memory, sequence_length
 
 
 def target_probs(logp: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -160,7 +161,8 @@ class DraftStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_pos, self.drafted_by_pos)]
 
 
-@ROLLOUT_ENGINES.register("torch", rounding="aligned")  # it samples from the FP32 policy: one rounding per region
+# rounding: it samples from the FP32 policy, one rounding per region; memory: torch_memory.py
+@ROLLOUT_ENGINES.register("torch", rounding="aligned", sequence_length=sequence_length, memory=rollout_memory)
 class TorchRolloutEngine:
     @classmethod
     def from_recipe(cls, recipe, model: VLM) -> "TorchRolloutEngine":

@@ -51,6 +51,7 @@ from safetensors.torch import load, save
 from loomrl.config import RecipeError
 from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model
 from loomrl.platform.backbone.lora import merged_state_dict
+from loomrl.platform.memory import GIB, MemoryTerm, ModelSizes
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.rollout import vllm_proposer as P
 from loomrl.platform.rollout import vllm_shims
@@ -147,7 +148,31 @@ def check_recipe(r) -> None:
         )
 
 
-@ROLLOUT_ENGINES.register("vllm", rounding="vllm", check=check_recipe)  # vLLM-CPU's own arithmetic
+VLLM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per weight of `rollout.vllm.dtype`."""
+
+
+def sequence_length(rollout) -> tuple[int, str]:
+    """(tokens per sampled sequence, where that figure comes from): vLLM's `max_model_len` bounds them."""
+    return rollout.vllm.max_model_len, "rollout.vllm.max_model_len"
+
+
+def rollout_memory(sizes: ModelSizes, rollout, *, seq_len: int, rollouts: int) -> MemoryTerm:
+    """On a trainer rank (`loomrl plan`): its own copy of the language model in `rollout.vllm.dtype`
+    plus its KV cache of `rollout.vllm.kv_cache_gib`, whatever the rollouts (no vLLM import)."""
+    v = rollout.vllm
+    vb = VLLM_BYTES[v.dtype]
+    return MemoryTerm(
+        sizes.language_model * vb + v.kv_cache_gib * GIB,
+        f"vLLM: {sizes.language_model:,} language-model params x {vb} B ({v.dtype}) + "
+        f"KV cache {v.kv_cache_gib} GiB (rollout.vllm.kv_cache_gib)",
+    )
+
+
+# rounding: vLLM-CPU's own arithmetic
+@ROLLOUT_ENGINES.register(
+    "vllm", rounding="vllm", check=check_recipe, sequence_length=sequence_length, memory=rollout_memory
+)
 class VLLMRolloutEngine:
     @classmethod
     def from_recipe(cls, recipe, model) -> "VLLMRolloutEngine":
