@@ -108,13 +108,13 @@ def test_a_run_is_resumed_and_exported_from_another_directory(tmp_path, demo_sha
     )
     assert first.returncode == 0, first.stderr[-2000:]
     run = start / "run"
-    saved = yaml.safe_load((run / "recipe.yaml").read_text())
-    assert saved["data"]["shards"] == str(start / "shards" / "*.tar")
     resumed = loomrl(elsewhere, "run", str(run / "recipe.yaml"), "--out", str(run), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     exported = loomrl(elsewhere, "export", str(run), "--out", "m", "--modality", "text")
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert (elsewhere / "m" / "config.json").is_file()
+    saved = yaml.safe_load((run / "recipe.yaml").read_text())
+    assert saved["data"]["shards"] == str(start / "shards" / "*.tar")
 
 
 # --------------------------------------------------------------------------- 7: interrupted writes
@@ -160,11 +160,12 @@ def test_a_pattern_never_reads_a_temporary_shard_and_warns(tmp_path, caplog):
 
 
 def test_an_export_into_a_run_folder_is_refused(demo_run, tmp_path):
-    for out in (demo_run / "checkpoints" / "step-000999", demo_run / "hf"):
+    run = shutil.copytree(demo_run, tmp_path / "run")
+    for out in (run / "checkpoints" / "step-000999", run / "hf"):
         with pytest.raises(ValueError, match="lies in the loomrl run folder"):
-            export_checkpoint(demo_run, out, modality="text")
+            export_checkpoint(run, out, modality="text")
         assert not out.exists()
-    assert latest_checkpoint(demo_run / "checkpoints").name == "step-000001"
+    assert latest_checkpoint(run / "checkpoints").name == "step-000001"
 
 
 # --------------------------------------------------------------------------- 8: smaller
@@ -178,18 +179,22 @@ def test_export_refuses_the_working_directory_clearly(demo_run, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.txt"]
 
 
-def test_exported_files_are_0644_under_umask_022_and_a_link_to_an_empty_folder_is_used(demo_run, tmp_path):
-    (tmp_path / "target").mkdir()
-    (tmp_path / "link").symlink_to("target")
+def test_exported_files_are_0644_under_umask_022(demo_run, tmp_path):
     old = os.umask(0o022)
     try:
-        export_checkpoint(demo_run, tmp_path / "link", modality="text")
+        export_checkpoint(demo_run, tmp_path / "m", modality="text")
     finally:
         os.umask(old)
-    files = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "target").iterdir()}
+    files = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()}
     assert "model.safetensors" in files and set(files.values()) == {0o644}, files
-    assert (tmp_path / "target").stat().st_mode & 0o777 == 0o755
-    assert (tmp_path / "link").is_symlink()
+    assert (tmp_path / "m").stat().st_mode & 0o777 == 0o755
+
+
+def test_an_export_out_may_be_a_link_to_an_empty_folder(demo_run, tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to("target")
+    export_checkpoint(demo_run, tmp_path / "link", modality="text")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "model.safetensors").is_file()
 
 
 def test_a_run_out_may_be_a_link_to_an_empty_folder(tmp_path, demo_shards):
@@ -215,7 +220,7 @@ def test_preprocessor_pixels_out_of_range_are_refused_naming_the_file(tmp_path, 
     _qwen2_vl(str(tmp_path), "qwen2_vl", vocab_size=PADDED)
     pre = tmp_path / "preprocessor_config.json"
     config = json.loads(pre.read_text()) if pre.is_file() else {}
-    pre.write_text(json.dumps({**config, "min_pixels": value, "size": {}}))
+    pre.write_text(json.dumps({**config, "min_pixels": value, "max_pixels": value, "size": {}}))
     overrides = [o for o in OVERRIDES if "pixels" not in o] + [f"model.init_from={tmp_path}"]
     with pytest.raises(R.RecipeError, match="preprocessor_config.json") as e:
         R.load_recipe(None, overrides, files=False)
