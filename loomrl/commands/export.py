@@ -23,10 +23,13 @@ The modality is init_from's (qwen2_vl / qwen2_5_vl -> image, qwen2_audio -> audi
 text); a policy with no init_from (the demo: both towers) needs it named. config.json gets the
 token ids a server needs beyond `export_policy`'s (vision start/end, video, eos, pad).
 
-Guarantees: the folder appears whole or not at all (filled as a hidden folder beside `out`,
-fsynced, renamed into place); an existing non-empty `out` is refused unless `overwrite`, and an
-`out` that holds the checkpoint is always refused; every problem with the run folder or the
-checkpoint is a ValueError (an OSError for the file system) naming the file.
+Guarantees: the folder appears whole or not at all (filled as a hidden folder `.OUT.export-PID`
+beside `out`, fsynced, renamed into place; such a folder of an export that died, its PID gone, is
+removed by the next export there); its files are 0666 less the umask; an existing non-empty `out`
+is refused unless `overwrite`; an `out` that holds the checkpoint, lies in a run folder, is the
+working directory or a mount point is always refused; a link to a folder is followed; every
+problem with the run folder or the checkpoint is a ValueError (an OSError for the file system)
+naming the file.
 """
 
 from __future__ import annotations
