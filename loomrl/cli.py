@@ -126,10 +126,10 @@ def resume_point(args, recipe, out: Path) -> Optional[Path]:
 
     saved = out / "recipe.yaml"
     text = saved.read_text(errors="replace") if saved.exists() else None
-    if text is not None and text != R.dump(recipe):
+    if text is not None and text != R.dump_run(recipe):  # paths absolute, as the run saved them
         raise Refused(
             f"{saved} differs from this recipe and overrides; resume with the same recipe "
-            f"(differences: {', '.join(recipe_diff(text, R.dump(recipe)))})"
+            f"(differences: {', '.join(recipe_diff(text, R.dump_run(recipe)))})"
         )
     resume_from = Path(args.resume_from) if args.resume_from else latest_checkpoint(out / "checkpoints")
     if resume_from is None:

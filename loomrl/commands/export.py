@@ -23,10 +23,13 @@ The modality is init_from's (qwen2_vl / qwen2_5_vl -> image, qwen2_audio -> audi
 text); a policy with no init_from (the demo: both towers) needs it named. config.json gets the
 token ids a server needs beyond `export_policy`'s (vision start/end, video, eos, pad).
 
-Guarantees: the folder appears whole or not at all (filled as a hidden folder beside `out`,
-fsynced, renamed into place); an existing non-empty `out` is refused unless `overwrite`, and an
-`out` that holds the checkpoint is always refused; every problem with the run folder or the
-checkpoint is a ValueError (an OSError for the file system) naming the file.
+Guarantees: the folder appears whole or not at all (filled as a hidden folder `.OUT.export-PID`
+beside `out`, fsynced, renamed into place; such a folder of an export that died, its PID gone, is
+removed by the next export there); its files are 0666 less the umask; an existing non-empty `out`
+is refused unless `overwrite`; an `out` that holds the checkpoint, lies in a run folder, is the
+working directory or a mount point is always refused; a link to a folder is followed; every
+problem with the run folder or the checkpoint is a ValueError (an OSError for the file system)
+naming the file.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -47,6 +51,7 @@ from loomrl.encoders.vision import CLIP_MEAN, CLIP_STD
 from loomrl.platform import recipe as R
 from loomrl.platform.backbone.hf_io import export_policy
 from loomrl.platform.checkpoint import _fsync, latest_checkpoint, load_checkpoint
+from loomrl.platform.faults import maybe_die
 from loomrl.platform.parts import build_policy_parts
 
 log = logging.getLogger("loomrl")
@@ -167,6 +172,7 @@ def export_checkpoint(
     # folder is filled at stage/hf, export_policy's own temporary folder lands in the stage too
     stage = out.parent / f".{out.name}.export-{os.getpid()}"
     tmp = stage / "hf"
+    _remove_stale_stages(out.parent)
     _remove(stage)
     stage.mkdir(parents=True)
     try:
@@ -181,9 +187,11 @@ def export_checkpoint(
             (tmp / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
         gen = generation_config(model, tokenizer, init_from)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        _set_modes(tmp)
         for p in tmp.iterdir():
             _fsync(p)
         _fsync(tmp)
+        maybe_die("export")  # tests: killed with the folder filled, before it is renamed into place
         _replace(tmp, out, stage / "old")
     finally:
         _remove(stage)
@@ -351,12 +359,71 @@ def _count_params(folder: Path) -> int:
     return n
 
 
+_STAGE = re.compile(r"\..+\.export-([0-9]+)")
+"""The name of an export's staging folder (`.OUT.export-PID`, beside `out`)."""
+
+
+def _remove_stale_stages(folder: Path) -> None:
+    """Remove the staging folders in `folder` of exports that died midway (SIGKILL, power loss):
+    those whose PID is no longer a live process; a live export's folder is left alone."""
+    try:
+        names = [p for p in folder.iterdir() if _STAGE.fullmatch(p.name)] if folder.is_dir() else []
+    except OSError:
+        return  # an unlistable folder: the export itself says what is wrong with it
+    for stage in names:
+        pid = int(_STAGE.fullmatch(stage.name).group(1))  # type: ignore[union-attr]
+        if pid == os.getpid() or not _alive(pid):
+            log.info("[export] removing %s, left by an export (pid %d) that did not finish", stage, pid)
+            _remove(stage)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    except (OverflowError, OSError):  # not a valid pid
+        return False
+    return True
+
+
+def _set_modes(folder: Path) -> None:
+    """The folder and its files readable as any new file is (0666 / 0777 less the umask): the
+    writers of temporary files create them 0600 / 0700."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for p in folder.iterdir():
+        if p.is_file() and not p.is_symlink():
+            p.chmod(0o666 & ~umask)
+
+
+def _run_folder_of(path: Path) -> Optional[Path]:
+    """The loomrl run folder (recipe.yaml and checkpoints/) that `path` (resolved) is or lies in."""
+    for folder in (path, *path.parents):
+        if (folder / "recipe.yaml").is_file() and (folder / "checkpoints").is_dir():
+            return folder
+    return None
+
+
 def _check_out(out: Path, checkpoint: Path, overwrite: bool) -> None:
-    """Refuse an `out` that holds (or lies in) the checkpoint, and an existing non-empty one
-    unless `overwrite`."""
+    """Refuse an `out` that holds (or lies in) the checkpoint or lies in any run folder (a run's
+    checkpoints would then hold a folder that is not one), the working directory or a mount point
+    (neither can be replaced), and an existing non-empty one unless `overwrite`."""
     o, c = out.resolve(), checkpoint.resolve()
     if o == c or o in c.parents or c in o.parents:
         raise ValueError(f"--out {out}: holds or lies in the checkpoint {checkpoint}; choose a folder outside it")
+    run = _run_folder_of(o)
+    if run is not None:
+        raise ValueError(
+            f"--out {out}: lies in the loomrl run folder {run} (a run's folder holds only what the run "
+            f"writes); choose a folder outside it"
+        )
+    if o == Path.cwd().resolve() or os.path.ismount(o):
+        what = "the current directory" if o == Path.cwd().resolve() else "a mount point"
+        raise ValueError(f"--out {out}: is {what}, which cannot be replaced; name a folder inside it")
     if not out.exists() and not out.is_symlink():
         return
     if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):

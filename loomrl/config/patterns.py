@@ -4,6 +4,7 @@ expansion when it cannot be expanded or would expand past MAX_SHARD_PATTERNS."""
 from __future__ import annotations
 
 import glob
+import logging
 from typing import Optional
 
 from braceexpand import (  # type: ignore[attr-defined]  # private helpers, to count before expanding
@@ -14,6 +15,12 @@ from braceexpand import (  # type: ignore[attr-defined]  # private helpers, to c
 )
 
 from loomrl.config.schema import RecipeError, show
+
+log = logging.getLogger("loomrl")
+
+TEMPORARY_SUFFIXES = (".tmp",)
+"""File names a writer uses while a file is incomplete (`write_shards` writes NAME.tmp, renamed
+when whole): a pattern never reads them, and warns when it matches one (a write was interrupted)."""
 
 MAX_SHARD_PATTERNS = 100_000
 """Patterns a brace range in `data.shards` may expand to (each is globbed)."""
@@ -89,11 +96,23 @@ def check_pattern(pattern: str, key: Optional[str] = None) -> None:
 
 
 def expand_pattern(pattern: str, key: Optional[str] = None) -> list[str]:
-    """Shard files matched by a glob or brace range, sorted; only existing files. A pattern
-    that cannot be expanded is a RecipeError (naming `key` when given)."""
+    """Shard files matched by a glob or brace range, sorted; only existing files, never a
+    temporary one (TEMPORARY_SUFFIXES: a write interrupted midway), with a warning naming it. A
+    pattern that cannot be expanded is a RecipeError (naming `key` when given)."""
 
     check_pattern(pattern, key)
     files: set[str] = set()
     for p in braceexpand(pattern):
         files.update(glob.glob(p))
-    return sorted(files)
+    partial = sorted(f for f in files if f.endswith(TEMPORARY_SUFFIXES))
+    if partial:
+        log.warning(
+            "%s%s matches %d temporary file(s) left by an interrupted write, not read: %s%s "
+            "(remove them, or make the shards again)",
+            f"{key}: " if key else "",
+            show(pattern),
+            len(partial),
+            ", ".join(show(f) for f in partial[:3]),
+            ", ..." if len(partial) > 3 else "",
+        )
+    return sorted(files.difference(partial))

@@ -31,6 +31,7 @@ from typing import BinaryIO, Iterable, Iterator, Optional
 from loomrl.datasets.files import NotRegularFile, open_regular
 from loomrl.encoders.base import modalities
 from loomrl.encoders.media import content_hash
+from loomrl.platform.faults import maybe_die
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ def write_shards(samples: Iterable[dict], pattern: str, maxcount: int, maxsize: 
                 if tar is not None and (count >= maxcount or (maxsize and _file_bytes(size + need) > maxsize)):
                     tar, done = None, tar
                     done.close()
+                    maybe_die("shards")  # tests: killed with a whole shard under its .tmp name
                 if tar is None:
                     current = pattern % len(tmp_names) + ".tmp"
                     tar = tarfile.open(current, "x", format=tarfile.PAX_FORMAT)  # "x": never an existing file

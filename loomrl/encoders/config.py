@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from loomrl.config.schema import ranged
 
 HOP = 160  # samples between mel frames (10 ms at 16 kHz)
+MAX_IMAGE_PIXELS = 8192 * 8192
+"""The largest image area (`vision.min_pixels` / `max_pixels`, a recipe's or init_from's
+preprocessor_config.json's) loomrl resizes to: 67M pixels, ~5x Qwen2-VL's default max_pixels
+(12845056); beyond it one image's buffers alone would be gigabytes."""
 
 
 @dataclass
@@ -28,9 +32,9 @@ class VisionConfig:
     """Frames per patch; a still image is repeated to fill it (Qwen2-VL: 2)."""
     spatial_merge_size: int = ranged(2, ge=1)
     """Patches merged per side into one language token by the merger (Qwen2-VL: 2)."""
-    min_pixels: int = ranged(56 * 56, ge=1)
+    min_pixels: int = ranged(56 * 56, ge=1, le=MAX_IMAGE_PIXELS)
     """Lower bound on resized image area (Qwen2-VL's smart_resize)."""
-    max_pixels: int = ranged(56 * 56, ge=1)
+    max_pixels: int = ranged(56 * 56, ge=1, le=MAX_IMAGE_PIXELS)
     """Upper bound on resized image area; the demo keeps images at 56x56 = 4 tokens."""
 
 

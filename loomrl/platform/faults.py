@@ -2,7 +2,10 @@
 one environment lookup.
 
     LOOMRL_KILL_AT="point:step"     the process SIGKILLs itself when it reaches that point of that RL
-                                    step (points: rollout, optimizer, checkpoint); with
+                                    step (points: rollout, optimizer, checkpoint); a point outside
+                                    training ("export": the export's folder filled, before its
+                                    rename; "shards": a shard written under its temporary name)
+                                    is named alone, LOOMRL_KILL_AT="export"; with
     LOOMRL_KILL_RANK=r              only in the rollout worker of global rank r
     LOOMRL_BAD_MESSAGE_RANK=r       rollout worker r's first result message carries a tensor whose
                                     header shape does not match its bytes (the trainer must refuse it)
@@ -22,11 +25,12 @@ _corrupted = False
 
 
 def maybe_die(point: str, rank: int | None = None) -> None:
-    """SIGKILL this process at `point` of the current step when LOOMRL_KILL_AT names it (and, for a
+    """SIGKILL this process at `point` of the current step (or at `point` alone) when LOOMRL_KILL_AT
+    names it (and, for a
     rollout worker of global `rank`, when LOOMRL_KILL_RANK is unset or names it)."""
     if rank is not None and os.environ.get("LOOMRL_KILL_RANK", str(rank)) != str(rank):
         return
-    if os.environ.get("LOOMRL_KILL_AT") == f"{point}:{current_step}":
+    if os.environ.get("LOOMRL_KILL_AT") in (f"{point}:{current_step}", point):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

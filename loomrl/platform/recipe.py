@@ -129,6 +129,9 @@ __all__ = [  # the parts' configs and the config core, for `from loomrl.platform
     "file_problems",
     "load_recipe",
     "field_docs",
+    "dump_run",
+    "run_dict",
+    "RUN_PATH_KEYS",
 ]
 
 
@@ -368,6 +371,40 @@ def file_problems(r: Recipe) -> list[str]:
             f"model.init_from: {show(r.model.init_from)} is not a local HF checkpoint folder (no config.json)"
         )
     return problems
+
+
+RUN_PATH_KEYS = (
+    ("model", "init_from"),
+    ("model", "tokenizer"),
+    ("data", "shards"),
+    ("data", "source"),
+    ("data", "cache"),
+    ("data", "chat_template"),
+    ("validation", "shards"),
+    ("validation", "source"),
+)
+"""The path-valued keys of a recipe; a run's recipe.yaml holds them absolute (`dump_run`)."""
+_NOT_PATHS = {("model", "tokenizer"): ("demo",), ("data", "chat_template"): ("auto", "none")}
+
+
+def run_dict(r: Recipe, cwd: Optional[str | Path] = None) -> dict:
+    """The recipe as a run keeps it (RUN/recipe.yaml, a checkpoint's state.json): `to_dict` with
+    every relative path of RUN_PATH_KEYS made absolute against `cwd` (None: the working
+    directory), so `export`, `report`, `doctor` and `--resume` read the same files from any
+    directory. Names that are not paths ('demo', 'auto', 'none') stay as they are."""
+    base = Path(cwd if cwd is not None else os.getcwd()).resolve()
+    data = schema.to_dict(r)
+    for part, key in RUN_PATH_KEYS:
+        value = data.get(part, {}).get(key)
+        keep = _NOT_PATHS.get((part, key), ())
+        if isinstance(value, str) and value and value not in keep and not os.path.isabs(os.path.expanduser(value)):
+            data[part][key] = os.path.normpath(str(base / value))
+    return data
+
+
+def dump_run(r: Recipe, cwd: Optional[str | Path] = None) -> str:
+    """RUN/recipe.yaml: `run_dict` as YAML."""
+    return yaml.safe_dump(run_dict(r, cwd), sort_keys=False)
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = (), files: bool = True) -> Recipe:

@@ -133,7 +133,7 @@ class SupervisedSteps:
             "warmup_step": step,
             "data": self.prompts.state(),
             "warmup_rng": list(rng.getstate()),
-            "recipe": R.to_dict(self.recipe),
+            "recipe": R.run_dict(self.recipe),
             "trajectories": {"generated": 0, "trained": 0, "dropped": 0, "dropped_by_reason": {}},
         }
         engine_state = {"warmup_engine": engine.state_dict(), "torch_rng": torch.get_rng_state()}

@@ -132,12 +132,12 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
         warmup_from: Optional[int] = 0  # the warm-up step to start at; None: a checkpoint of the RL stage
         if self.resume_from is not None:
             engine_state, ckpt_state = load_checkpoint(self.resume_from, model)  # verified, or ValueError
-            if ckpt_state.get("recipe") != R.to_dict(r):
+            if ckpt_state.get("recipe") != R.run_dict(r):
                 raise ValueError(f"{self.resume_from / 'state.json'}: was written by another recipe")
             warmup_from = ckpt_state.get("warmup_step")
         if self.writer:  # only once the checkpoint (if any) was accepted: a refused resume writes nothing
             out.mkdir(parents=True, exist_ok=True)
-            (out / "recipe.yaml").write_text(R.dump(r))
+            (out / "recipe.yaml").write_text(R.dump_run(r))  # paths absolute: readable from anywhere
             if self.resume_from is None:
                 for name in ("metrics.jsonl", "warmup.jsonl"):
                     (out / name).unlink(missing_ok=True)
@@ -391,7 +391,7 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
             "version": self.version,
             "data": self.prompts.state(),
             "trajectories": counts,
-            "recipe": R.to_dict(self.recipe),
+            "recipe": R.run_dict(self.recipe),
         }
         engine_state = {
             "engine": self.engine.state_dict() or {},
