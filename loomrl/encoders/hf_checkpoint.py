@@ -24,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from loomrl.encoders.config import num_frames
+from loomrl.encoders.safetensors_check import WeightsError, read_header
 
 # Where each model family keeps its tower: the hub layout first, then the nested
 # `model.` layout some transformers versions write.
@@ -58,14 +59,29 @@ def safetensors_files(folder: str | Path) -> list[Path]:
         return [folder / n for n in names]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+        raise FileNotFoundError(f"{folder}: no *.safetensors files (a checkpoint folder holds its weights)")
     return files
+
+
+def weight_headers(folder: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """{tensor name: (its file, its shape)} over a folder's weight files, each file's header
+    checked against the file (`safetensors_check.read_header`: a WeightsError naming it);
+    a name in two files is refused too."""
+    out: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in safetensors_files(folder):
+        for name, (_, shape) in read_header(f).items():
+            if name in out:
+                raise WeightsError(f"{f}: tensor {name!r} is in {out[name][0].name} too")
+            out[name] = (f, shape)
+    return out
 
 
 def read_tensors(folder: str | Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Tensors under the first of `prefixes` that the folder's safetensors files use, prefix removed."""
 
     files = safetensors_files(folder)
+    for f in files:  # regular files whose headers fit them, before the library reads them
+        read_header(f)
     for prefix in prefixes:
         out: dict[str, torch.Tensor] = {}
         for f in files:

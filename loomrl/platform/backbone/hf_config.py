@@ -16,6 +16,7 @@ from loomrl.encoders.base import checkpoint_towers
 from loomrl.encoders.config import HOP
 from loomrl.encoders.hf_checkpoint import VISION_KINDS
 from loomrl.platform.backbone.config import ModelConfig
+from loomrl.platform.backbone.hf_bounds import check_towers
 from loomrl.platform.backbone.hf_io import decoder_config
 
 Row = tuple[str, Any, Path, str, bool]
@@ -54,6 +55,7 @@ def checkpoint_settings(folder: str, sample_rate: int = 16000) -> list[Row]:
     path = Path(folder) / "config.json"
     cfg = read_json(path)
     try:
+        check_towers(cfg, str(path))
         d = decoder_config(cfg, str(path))
     except (ValueError, TypeError, AttributeError, ZeroDivisionError) as e:  # a value of the wrong type
         text = str(e) if str(path) in str(e) else f"{path}: {type(e).__name__}: {e}"
