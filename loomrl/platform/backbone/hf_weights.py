@@ -157,10 +157,8 @@ def check_checkpoint(folder: str | Path, memory: Optional[int] = None) -> None:
     where = f"{folder}/config.json"
     try:
         cfg = read_config(folder)
-    except (OSError, ValueError, RecursionError) as e:
-        raise ValueError(f"{where}: cannot read it as JSON: {str(e)[:200]}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{where}: not a JSON object")
+    except OSError as e:
+        raise ValueError(str(e)) from None
     try:
         parts = meta_parts(cfg, where)
     except ValueError:
