@@ -30,7 +30,7 @@ from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.recipe import RecipeError, load_recipe
 
 SEED = 20261202
-CASES = 120
+CASES = 100
 MEMORY = 3 << 30
 TESTS = Path(__file__).resolve().parent
 
