@@ -23,7 +23,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from loomrl.datasets.files import open_regular
 from loomrl.encoders.config import num_frames
+from loomrl.encoders.safetensors_check import WeightsError, read_header
 
 # Where each model family keeps its tower: the hub layout first, then the nested
 # `model.` layout some transformers versions write.
@@ -35,11 +37,34 @@ PROJECTOR_PREFIXES = ("multi_modal_projector.linear.", "model.multi_modal_projec
 VISION_KINDS = {"qwen2_vl": ("qwen2_vl", "qwen2_vl_vision"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_vision")}
 
 
+JSON_LIMIT = 64 << 20
+"""The largest config.json / index / preprocessor file read (real ones are kilobytes)."""
+
+
+def read_json_file(path: str | Path) -> Any:
+    """A checkpoint's JSON file: a regular file (`open_regular`: a FIFO is refused, not waited on)
+    of at most JSON_LIMIT bytes; a ValueError naming it otherwise."""
+    try:
+        with open_regular(str(path)) as fh:
+            text = fh.read(JSON_LIMIT + 1)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it: {e.strerror or e}") from None
+    if len(text) > JSON_LIMIT:
+        raise ValueError(f"{path}: over {JSON_LIMIT >> 20} MB, not a checkpoint's JSON file")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deeply
+        raise ValueError(f"{path}: cannot read it as JSON: {str(e)[:200]}") from None
+
+
 def read_config(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (a Hugging Face checkpoint folder has config.json)")
-    return json.loads(path.read_text())
+    cfg = read_json_file(path)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return cfg
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
@@ -49,8 +74,8 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError) as e:
+            names = sorted(set(read_json_file(index)["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
             raise ValueError(f"{index}: not a safetensors index with a weight_map ({e})") from None
         for n in names:  # plain file names only: an index must not point outside its folder
             if Path(n).name != n or not (folder / n).is_file():
@@ -58,14 +83,29 @@ def safetensors_files(folder: str | Path) -> list[Path]:
         return [folder / n for n in names]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+        raise FileNotFoundError(f"{folder}: no *.safetensors files (a checkpoint folder holds its weights)")
     return files
+
+
+def weight_headers(folder: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """{tensor name: (its file, its shape)} over a folder's weight files, each file's header
+    checked against the file (`safetensors_check.read_header`: a WeightsError naming it);
+    a name in two files is refused too."""
+    out: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in safetensors_files(folder):
+        for name, (_, shape) in read_header(f).items():
+            if name in out:
+                raise WeightsError(f"{f}: tensor {name!r} is in {out[name][0].name} too")
+            out[name] = (f, shape)
+    return out
 
 
 def read_tensors(folder: str | Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Tensors under the first of `prefixes` that the folder's safetensors files use, prefix removed."""
 
     files = safetensors_files(folder)
+    for f in files:  # regular files whose headers fit them, before the library reads them
+        read_header(f)
     for prefix in prefixes:
         out: dict[str, torch.Tensor] = {}
         for f in files:

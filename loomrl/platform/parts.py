@@ -20,6 +20,7 @@ from loomrl.datasets.stream import ShardStream
 from loomrl.encoders.hf_checkpoint import read_config
 from loomrl.platform import recipe as R
 from loomrl.platform.backbone.chat import ChatFormat
+from loomrl.platform.backbone.hf_weights import check_checkpoint
 from loomrl.platform.backbone.tokenizer import load_tokenizer, media_layout, readable_media
 from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.placement import choose_device
@@ -83,10 +84,24 @@ def text_parts(recipe: R.Recipe):
     return tokenizer, ChatFormat(tokenizer, recipe.data)
 
 
+def check_init_from(recipe: R.Recipe) -> None:
+    """model.init_from's folder checked whole before a policy is built from it (sizes against this
+    machine's memory, weight files' headers against config.json: `hf_weights.check_checkpoint`);
+    a RecipeError naming the file and key otherwise. Nothing without init_from."""
+    if recipe.model.init_from is not None:
+        try:
+            check_checkpoint(recipe.model.init_from)
+        except ValueError as e:
+            raise R.RecipeError(f"model.init_from: {e}") from None
+
+
 def check_text_parts(recipe: R.Recipe) -> list[str]:
     """`text_parts` and `check_media` where their files are on this machine (a recipe for a
-    cluster: nothing); the notes `check_media` makes."""
+    cluster: nothing); the notes `check_media` makes. model.init_from's folder, when on this
+    machine, is checked as a run checks it (`check_init_from`)."""
     m = recipe.model
+    if m.init_from is not None and (Path(m.init_from) / "config.json").is_file():
+        check_init_from(recipe)
     if (m.tokenizer == "demo" or Path(m.tokenizer).is_dir()) and (
         m.init_from is None or (Path(m.init_from) / "config.json").is_file()
     ):
@@ -128,6 +143,7 @@ def build_policy_parts(recipe: R.Recipe, seed: Optional[int] = None):
     (`training.device`), its completions ending where the chat format says (the template's
     end-of-turn, else the tokenizer's EOS)."""
 
+    check_init_from(recipe)
     tokenizer, chat = text_parts(recipe)
     try:
         device = choose_device(recipe.training.device)

@@ -5,7 +5,6 @@ preprocessor's pixel bounds, filled into the recipe or checked against what it s
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import typing
 from pathlib import Path
@@ -14,8 +13,9 @@ from typing import Any
 from loomrl.config.schema import RecipeError, convert, cut, is_file, show
 from loomrl.encoders.base import checkpoint_towers
 from loomrl.encoders.config import HOP
-from loomrl.encoders.hf_checkpoint import VISION_KINDS
+from loomrl.encoders.hf_checkpoint import VISION_KINDS, read_json_file
 from loomrl.platform.backbone.config import ModelConfig
+from loomrl.platform.backbone.hf_bounds import check_towers
 from loomrl.platform.backbone.hf_io import decoder_config
 
 Row = tuple[str, Any, Path, str, bool]
@@ -23,11 +23,12 @@ Row = tuple[str, Any, Path, str, bool]
 
 
 def read_json(path: Path) -> dict:
-    """A checkpoint's JSON file as a mapping; RecipeError naming it otherwise."""
+    """A checkpoint's JSON file as a mapping (`hf_checkpoint.read_json_file`: a regular file, its
+    size bounded); RecipeError naming it otherwise."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deeply, ...
-        raise RecipeError(f"model.init_from: {path}: cannot read it as JSON: {cut(str(e), 200)}") from None
+        data = read_json_file(path)
+    except ValueError as e:
+        raise RecipeError(f"model.init_from: {cut(str(e), 300)}") from None
     if not isinstance(data, dict):
         raise RecipeError(f"model.init_from: {path}: not a JSON object")
     return data
@@ -54,6 +55,7 @@ def checkpoint_settings(folder: str, sample_rate: int = 16000) -> list[Row]:
     path = Path(folder) / "config.json"
     cfg = read_json(path)
     try:
+        check_towers(cfg, str(path))
         d = decoder_config(cfg, str(path))
     except (ValueError, TypeError, AttributeError, ZeroDivisionError) as e:  # a value of the wrong type
         text = str(e) if str(path) in str(e) else f"{path}: {type(e).__name__}: {e}"

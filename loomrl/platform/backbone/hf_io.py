@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from loomrl.encoders.hf_checkpoint import attach_towers, read_config, read_tensors
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
+from loomrl.platform.backbone.hf_bounds import number, size
 from loomrl.platform.backbone.lora import merged_state_dict
 
 SUPPORTED = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_audio")
@@ -48,45 +49,60 @@ _LM_PREFIXES = {
 _NOT_LM = ("model.visual.", "model.audio_tower.", "model.multi_modal_projector.")
 
 
-def _text_config(cfg: dict) -> dict:
-    """The language model's settings: `text_config` (transformers 5) over top-level keys (older)."""
-    return {**cfg, **cfg.get("text_config", {})}
-
-
 def decoder_config(cfg: dict, where: str = "config.json") -> DecoderConfig:
     """A DecoderConfig from a Hugging Face config.json dict of a supported model type."""
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(SUPPORTED)})")
-    t = _text_config(cfg)
+    text = cfg.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ValueError(f"{where}: text_config is not a mapping")
+    t = {**cfg, **text}
     rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{where}: rope_parameters is not a mapping")
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
         raise ValueError(f"{where}: rope type {rope.get('rope_type')!r} is not supported (default RoPE / M-RoPE)")
     if t.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window=true is not supported")
-    try:
-        hidden, heads = t["hidden_size"], t["num_attention_heads"]
-        if t.get("head_dim") not in (None, hidden // heads):
-            raise ValueError(f"{where}: head_dim {t['head_dim']} != hidden_size / num_attention_heads")
-        # Untied unless the top level (or else the text config) says tie_word_embeddings: true,
-        # transformers' default for these families when the key is missing.
-        tie = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False))
-        mrope = rope.get("mrope_section")
-        return DecoderConfig(
-            vocab_size=t["vocab_size"],
-            hidden_size=hidden,
-            num_layers=t["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=t.get("num_key_value_heads", heads),
-            intermediate_size=t["intermediate_size"],
-            rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(tie),
-            mrope_section=list(mrope) if mrope is not None else None,
-            max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
+    hidden, heads = size(t, "hidden_size", where), size(t, "num_attention_heads", where)
+    kv_heads = size(t, "num_key_value_heads", where, heads)
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(
+            f"{where}: num_attention_heads {heads} must divide hidden_size {hidden}, and "
+            f"num_key_value_heads {kv_heads} must divide num_attention_heads"
         )
-    except KeyError as e:
-        raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
+    if t.get("head_dim") not in (None, hidden // heads):
+        raise ValueError(f"{where}: head_dim {t['head_dim']!r} != hidden_size / num_attention_heads")
+    # Untied unless the top level (or else the text config) says tie_word_embeddings: true,
+    # transformers' default for these families when the key is missing.
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    mrope = rope.get("mrope_section")
+    if mrope is not None and (
+        not isinstance(mrope, list) or len(mrope) > 8 or not all(type(x) is int and 0 <= x <= 4096 for x in mrope)
+    ):
+        raise ValueError(f"{where}: mrope_section {str(mrope)[:60]} is not a short list of sizes")
+    return DecoderConfig(
+        vocab_size=size(t, "vocab_size", where),
+        hidden_size=hidden,
+        num_layers=size(t, "num_hidden_layers", where),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=size(t, "intermediate_size", where),
+        rope_theta=number(rope, "rope_theta", where, number(t, "rope_theta", where, 10000.0)),
+        rms_norm_eps=number(t, "rms_norm_eps", where, 1e-6),
+        tie_word_embeddings=bool(tie),
+        mrope_section=list(mrope) if mrope is not None else None,
+        max_position_embeddings=size(t, "max_position_embeddings", where, 32768),
+    )
+
+
+def lm_name(key: str) -> Optional[str]:
+    """A checkpoint tensor's name under Qwen2ForCausalLM's names; None: not the language model's."""
+    if key.startswith(_NOT_LM):
+        return None
+    prefix = max((p for p in _LM_PREFIXES if key.startswith(p)), key=len, default=None)
+    return None if prefix is None else _LM_PREFIXES[prefix] + key[len(prefix) :]
 
 
 def language_model_state(folder: str | Path) -> dict[str, torch.Tensor]:
@@ -94,12 +110,9 @@ def language_model_state(folder: str | Path) -> dict[str, torch.Tensor]:
     tensors = read_tensors(folder, ("",))
     out: dict[str, torch.Tensor] = {}
     for key, value in tensors.items():
-        if key.startswith(_NOT_LM):
-            continue
-        prefix = max((p for p in _LM_PREFIXES if key.startswith(p)), key=len, default=None)
-        if prefix is None:
+        name = lm_name(key)
+        if name is None:
             continue  # a tower, a projector: not the language model's
-        name = _LM_PREFIXES[prefix] + key[len(prefix) :]
         if name in out:
             raise ValueError(f"{folder}: tensor {name} appears under two prefixes")
         out[name] = value
