@@ -12,13 +12,18 @@ one more: `range`, which shadows the sandbox's (that caps one range at 100000 it
 nested loops) with one that counts every item of every range of the render against
 MAX_RANGE_ITEMS and checks the deadline as it goes. The text is produced with
 `Template.generate()`, chunk by chunk: over MAX_RENDER_CHARS, or past the deadline between two
-chunks, the render stops. A loop that writes nothing and iterates no range (over a string
-multiplied to a huge length, say) is caught by the output cap only when it writes; the string
-sizes a sandboxed template can build are themselves bounded by what the sandbox allows.
+chunks, the render stops. A loop that writes nothing and iterates no range (over a long string,
+say) is stopped by a watchdog: a timer that, at the deadline, raises an exception in the
+rendering thread (`PyThreadState_SetAsyncExc`, delivered at the next bytecode; a lock makes
+sure it never lands after the render has returned). What no bound catches: one C-level
+operation that is itself huge (`"x" * 10**10`, which Jinja even folds at compile time) runs until it fails (a MemoryError,
+named) or ends, and is stopped then.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
 
 MAX_RENDER_CHARS = 1 << 20
@@ -31,6 +36,10 @@ MAX_RANGE_ITEMS = 100_000
 
 class TemplateLimit(Exception):
     """A render stopped by a bound: the message says which."""
+
+
+class _Deadline(Exception):
+    """Raised in the rendering thread by the watchdog."""
 
 
 class _Budget:
@@ -75,15 +84,68 @@ def render_bounded(
     add_generation_prompt=...)`, stopped by TemplateLimit past `max_chars` or `max_s`.
     Any other failure of the template propagates as it is."""
     budget = _Budget(max_s, MAX_RANGE_ITEMS)
-    template = compile_template(source)
     variables = {**tokenizer.special_tokens_map, "range": budget.range}
-    chunks, size = [], 0
-    for chunk in template.generate(
-        messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
-    ):
-        size += len(chunk)
-        if size > max_chars:
-            raise TemplateLimit(f"it writes over {max_chars} characters for one prompt")
-        chunks.append(chunk)
-        budget.check_time()
-    return "".join(chunks)
+
+    def render() -> str:
+        template = compile_template(source)  # under the watchdog: Jinja folds constant expressions
+        chunks, size = [], 0
+        for chunk in template.generate(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
+        ):
+            size += len(chunk)
+            if size > max_chars:
+                raise TemplateLimit(f"it writes over {max_chars} characters for one prompt")
+            chunks.append(chunk)
+            budget.check_time()
+        return "".join(chunks)
+
+    return _with_watchdog(render, max_s)
+
+
+class _Watchdog:
+    """One daemon thread for every render: `arm` a deadline for the calling thread, `disarm` when
+    done; a deadline that passes while armed raises _Deadline in that thread. Under the condition's
+    lock a disarmed render can no longer be hit (one already hit is within the caller's try)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.armed: dict[int, float] = {}  # thread id -> deadline
+        self.thread: threading.Thread | None = None
+
+    def arm(self, max_s: float) -> None:
+        with self.cond:
+            self.armed[threading.get_ident()] = time.monotonic() + max_s
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._watch, name="template-watchdog", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+
+    def disarm(self) -> None:
+        with self.cond:
+            self.armed.pop(threading.get_ident(), None)
+
+    def _watch(self) -> None:
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                for tid, deadline in list(self.armed.items()):
+                    if deadline <= now:
+                        del self.armed[tid]
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_Deadline))
+                nearest = min(self.armed.values(), default=now + 60.0)
+                self.cond.wait(max(0.0, nearest - now))
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _with_watchdog(fn, max_s: float) -> str:
+    """fn() in this thread; past `max_s` the watchdog raises _Deadline in it (-> TemplateLimit)."""
+    try:
+        _WATCHDOG.arm(max_s)
+        try:
+            return fn()
+        finally:
+            _WATCHDOG.disarm()
+    except _Deadline:
+        raise TemplateLimit(f"rendering took over {max_s:g} s") from None
