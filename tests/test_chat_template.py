@@ -205,14 +205,12 @@ HOSTILE_TEMPLATES = {
 def test_a_hostile_template_is_stopped_and_named(tok, tmp_path, name):
     """Before the bounds: nested ranges ran for tens of seconds to a MemoryError (the render was
     `tokenizer.apply_chat_template`, unbounded)."""
-    from loomrl.platform.backbone import template_render
-
     path = tmp_path / "hostile.jinja"
     path.write_text(HOSTILE_TEMPLATES[name])
     t0 = time.monotonic()
     with pytest.raises(RecipeError, match=r"data.chat_template: the template is stopped \(.*hostile.jinja\)"):
         ChatFormat(tok, DataConfig(chat_template=str(path)))
-    assert time.monotonic() - t0 < template_render.MAX_RENDER_S + 3
+    assert time.monotonic() - t0 < 5  # the render's bound is 2 s
 
 
 def test_a_checkpoint_template_is_named_by_its_file(tmp_path):
