@@ -222,3 +222,22 @@ def test_a_checkpoint_template_is_named_by_its_file(tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
     with pytest.raises(RecipeError, match=rf"the checkpoint's {tmp_path}/chat_template.jinja\): its loops"):
         ChatFormat(loaded, DataConfig())
+
+
+def test_a_deeply_nested_tokenizer_json_is_named(tmp_path):
+    """tokenizer.json nested 100000 deep: before, a RecursionError traceback from the loader."""
+    from qwen_checkpoints import _tokenizer
+
+    from loomrl.platform.backbone.tokenizer import json_depth, load_tokenizer
+
+    _tokenizer(tmp_path, words=["what"])
+    path = tmp_path / "tokenizer.json"
+    text = path.read_text()
+    path.write_text(text[: text.rindex("}")] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(ValueError, match=rf"{path}: JSON nested deeper than 64"):
+        load_tokenizer(str(tmp_path))
+    assert json_depth(b'{"a": "[[[{{", "b": [{"c": "\\"["}]}') == 3
+    path.write_text(text)
+    (tmp_path / "tokenizer_config.json").write_bytes(b" " * (17 << 20))
+    with pytest.raises(ValueError, match="tokenizer_config.json: .* bytes, over the"):
+        load_tokenizer(str(tmp_path))

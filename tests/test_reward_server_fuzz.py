@@ -211,3 +211,35 @@ def test_seeded_fuzz_of_hostile_servers(server, monkeypatch):
     assert not failures, "\n".join(failures)
     assert sum(len(v) for v in kinds.values()) == len(cases)
     assert "score" in kinds["ok"] and elapsed < 15
+
+
+def test_stop_signals_during_a_request(server):
+    """A first stop signal: the request runs to its deadline but no retry starts; a second one
+    abandons it at once. Both are RewardInterrupted (the trainer checkpoints the last whole step
+    and exits 130); the handler raises nothing inside the wait. Before: the wait could not be
+    interrupted, and a second signal raised KeyboardInterrupt wherever the run was."""
+    import os
+    import signal
+
+    from loomrl.platform import signals
+    from loomrl.platform.rewards.remote import RewardInterrupted
+    from loomrl.platform.run_state import StopRequest
+
+    server.scripts["sig"] = forever(b"HTTP/1.1 100 Continue\r\n\r\n", 0.2)
+    client = RemoteReward(server.url("sig"), timeout_s=30.0, retries=3, backoff_s=0.01)
+    stop = StopRequest()
+    with stop:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        threading.Timer(0.6, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        with pytest.raises(RewardInterrupted, match=r"sig.*'s-0'.*second stop signal"):
+            client.score(["x"], [{"id": "s-0"}])
+        assert time.monotonic() - t0 < 3 and signals.received() == 2 and stop.requested
+    server.scripts["sig1"] = forever(b"HTTP/1.1 100 Continue\r\n\r\n", 0.2)
+    client = RemoteReward(server.url("sig1"), timeout_s=1.0, retries=3, backoff_s=0.01)
+    with StopRequest():
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t0 = time.monotonic()
+        with pytest.raises(RewardInterrupted, match="no retry, the run was told to stop"):
+            client.score(["x"], [{"id": "s-0"}])
+        assert 0.9 < time.monotonic() - t0 < 3
