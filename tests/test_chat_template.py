@@ -169,7 +169,7 @@ FEATURES_TEMPLATE = (
 )
 CONVERSATIONS = [
     [{"role": "user", "content": "what"}],
-    [{"role": "system", "content": "cat"}, {"role": "user", "content": "<image>what \"x\" é"}],
+    [{"role": "system", "content": "cat"}, {"role": "user", "content": '<image>what "x" é'}],
     [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what"}]},
         {"role": "assistant", "content": "cat"},

@@ -5,7 +5,6 @@ slowloris bodies, non-JSON, NaN. The client (rewards/remote.py) must end every c
 with a score or a RemoteRewardError naming the server and the sample, within its total
 deadline plus slack. The seeded fuzz runs its cases in parallel, each under a hang guard."""
 
-import json
 import random
 import socketserver
 import threading
