@@ -13,9 +13,10 @@ nested loops) with one that counts every item of every range of the render again
 MAX_RANGE_ITEMS and checks the deadline as it goes. The text is produced with
 `Template.generate()`, chunk by chunk: over MAX_RENDER_CHARS, or past the deadline between two
 chunks, the render stops. A loop that writes nothing and iterates no range (over a long string,
-say) is stopped by a watchdog: a timer that, at the deadline, raises an exception in the
-rendering thread (`PyThreadState_SetAsyncExc`, delivered at the next bytecode; the watchdog's lock makes sure it never lands after the render has returned). What no bound catches: one C-level
-operation that is itself huge (`"x" * 10**10`, which Jinja even folds at compile time) runs
+say) is stopped by a watchdog: one thread that, at a render's deadline, raises an exception in
+the rendering thread (`PyThreadState_SetAsyncExc`, delivered at the next bytecode; the
+watchdog's lock makes sure it never lands after the render has returned). What no bound
+catches: one C-level operation that is itself huge (`"x" * 10**10`, which Jinja even folds at compile time) runs
 until it fails (a MemoryError, named) or ends, and is stopped then.
 """
 
