@@ -181,4 +181,5 @@ class StopRequest:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        signals.reset()  # the count means something only while these handlers are in place
         return False
