@@ -145,6 +145,7 @@ def train(args, recipe, out: Path, resume_from: Optional[Path], run_args: list[s
     from loomrl.platform.engines import launch as engines_launch
     from loomrl.platform.engines.base import world
     from loomrl.platform.metrics import MetricsError
+    from loomrl.platform.signals import StopNow
     from loomrl.platform.trainer import Interrupted, Trainer
 
     distributed = TRAINING_ENGINES.get(recipe.training.engine).trait("distributed", False)
@@ -173,6 +174,10 @@ def train(args, recipe, out: Path, resume_from: Optional[Path], run_args: list[s
     except Interrupted as e:
         command = shlex.join(["loomrl", "run", args.recipe, *args.overrides, "--out", str(out), "--resume"])
         print(f"[run] {e}\nresume with: {command}", file=sys.stderr)
+        return 130
+    except StopNow as e:  # a second signal outside a reward request: no checkpoint of this step
+        command = shlex.join(["loomrl", "run", args.recipe, *args.overrides, "--out", str(out), "--resume"])
+        print(f"[run] {e}; no checkpoint of the step in progress\nresume with: {command}", file=sys.stderr)
         return 130
     if distributed:
         engines_launch.finish()

@@ -1,6 +1,8 @@
 """Chat templates (`data.chat_template`, `data.system_prompt`): prompts rendered as a user turn,
 media markers expanded inside it, completions stopping at the template's end-of-turn token."""
 
+import time
+
 import pytest
 from qwen_checkpoints import CHAT_TEMPLATE, _tokenizer
 
@@ -141,3 +143,101 @@ def test_a_multi_turn_sample_is_rendered_whole_and_sft_trains_every_reply(tmp_pa
     assert seq == [*context1, t("cat"), end, *context2, t("dog"), end]
     assert trained == [t("cat"), end, t("dog"), end]  # the replies and their end-of-turn; no user or template token
     assert traj.trained_tokens() == 4
+
+
+# Qwen2-VL's own chat template, as its checkpoints ship it (image / video parts, namespaces)
+QWEN2_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# loops, range, tojson, the special tokens, whitespace control and loop controls
+FEATURES_TEMPLATE = (
+    "{{ bos_token or '' }}{%- for m in messages %}\n  {% for i in range(loop.index) %}{{ i }}{% endfor %}"
+    "{% if m.role == 'system' %}{% continue %}{% endif %}"
+    "[{{ m.role | upper }}] {{ m.content | tojson }}{{ eos_token }}\n{%- endfor %}"
+    "{% if add_generation_prompt %}>>{% endif %}"
+)
+CONVERSATIONS = [
+    [{"role": "user", "content": "what"}],
+    [{"role": "system", "content": "cat"}, {"role": "user", "content": '<image>what "x" é'}],
+    [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what"}]},
+        {"role": "assistant", "content": "cat"},
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "and?"}]},
+    ],
+]
+
+
+@pytest.mark.parametrize("source", [CHAT_TEMPLATE, QWEN2_VL_TEMPLATE, FEATURES_TEMPLATE])
+def test_bounded_rendering_is_byte_identical_to_transformers(tok, source):
+    from loomrl.platform.backbone.template_render import render_bounded
+
+    for messages in CONVERSATIONS:
+        if source == CHAT_TEMPLATE and not isinstance(messages[0]["content"], str):
+            continue
+        for gen in (False, True):
+            want = tok.apply_chat_template(messages, chat_template=source, tokenize=False, add_generation_prompt=gen)
+            assert render_bounded(tok, source, messages, gen) == want
+
+
+HOSTILE_TEMPLATES = {
+    # the hostile pass's template: 41 s and 7.1 GB before a MemoryError, without bounds
+    "nested ranges": "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    "silent nested ranges": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "output flood": "{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}",
+    # no range, no output: the watchdog stops it (the content repeated at render time, not folded)
+    "silent loop, no range": "{% for m in messages %}{% for c in m['content'] * 2000000 %}"
+    "{% for d in m['content'] %}{% endfor %}{% endfor %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
+def test_a_hostile_template_is_stopped_and_named(tok, tmp_path, name):
+    """Before the bounds: nested ranges ran for tens of seconds to a MemoryError (the render was
+    `tokenizer.apply_chat_template`, unbounded)."""
+    path = tmp_path / "hostile.jinja"
+    path.write_text(HOSTILE_TEMPLATES[name])
+    t0 = time.monotonic()
+    with pytest.raises(RecipeError, match=r"data.chat_template: the template is stopped \(.*hostile.jinja\)"):
+        ChatFormat(tok, DataConfig(chat_template=str(path)))
+    assert time.monotonic() - t0 < 5  # the render's bound is 2 s
+
+
+def test_a_checkpoint_template_is_named_by_its_file(tmp_path):
+    """`auto` takes the checkpoint's chat_template.jinja: a hostile one is named by that file."""
+    from qwen_checkpoints import _tokenizer
+    from transformers import AutoTokenizer
+
+    _tokenizer(tmp_path, words=["what"], chat_template=HOSTILE_TEMPLATES["nested ranges"])
+    loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    with pytest.raises(RecipeError, match=rf"the checkpoint's {tmp_path}/chat_template.jinja\): its loops"):
+        ChatFormat(loaded, DataConfig())
+
+
+def test_a_deeply_nested_tokenizer_json_is_named(tmp_path):
+    """tokenizer.json nested 100000 deep: before, a RecursionError traceback from the loader."""
+    from qwen_checkpoints import _tokenizer
+
+    from loomrl.platform.backbone.tokenizer import json_depth, load_tokenizer
+
+    _tokenizer(tmp_path, words=["what"])
+    path = tmp_path / "tokenizer.json"
+    text = path.read_text()
+    path.write_text(text[: text.rindex("}")] + ', "x": ' + "[" * 100000 + "]" * 100000 + "}")
+    with pytest.raises(ValueError, match=rf"{path}: JSON nested deeper than 64"):
+        load_tokenizer(str(tmp_path))
+    assert json_depth(b'{"a": "[[[{{", "b": [{"c": "\\"["}]}') == 3
+    path.write_text(text)
+    (tmp_path / "tokenizer_config.json").write_bytes(b" " * (17 << 20))
+    with pytest.raises(ValueError, match="tokenizer_config.json: .* bytes, over the"):
+        load_tokenizer(str(tmp_path))

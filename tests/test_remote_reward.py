@@ -142,7 +142,7 @@ def test_a_trickling_reply_is_cut_at_the_deadline(server):
 def test_nobody_listening_is_retried_then_an_error(server):
     url = server.url
     server.close()
-    with pytest.raises(RemoteRewardError, match=f"reward server {url}: no answer after 2 attempt"):
+    with pytest.raises(RemoteRewardError, match=f"reward server {url} on sample 's0': no answer after 2 attempt"):
         RemoteReward(url, timeout_s=1, retries=1, backoff_s=0.01).score(["a"], SAMPLES[:1])
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from loomrl.platform import signals
 from loomrl.platform.engines.config import TrainingConfig
 
 if TYPE_CHECKING:
@@ -151,22 +152,28 @@ class Interrupted(Exception):
 
 
 class StopRequest:
-    """While active, SIGINT and SIGTERM ask the loop to stop after the current step
-    (a second signal stops at once)."""
+    """While active, SIGINT and SIGTERM ask the loop to stop after the current step. A second
+    signal stops at once: inside a wait on a reward server (signals.interruptible) the wait
+    abandons the step and the run checkpoints its last whole step; elsewhere StopNow."""
 
     def __init__(self):
         self.requested = False
         self._old: dict = {}
 
     def _handler(self, signum, frame):
+        signals.note()
         if self.requested:
-            raise KeyboardInterrupt
+            if signals.waiting():
+                log.warning("[run] signal %d again: abandoning this step's reward request", signum)
+                return
+            raise signals.StopNow(f"signal {signum} again: stopped at once")
         self.requested = True
         log.warning(
             "[run] signal %d: finishing this step, then writing a checkpoint (signal again to stop now)", signum
         )
 
     def __enter__(self):
+        signals.reset()
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old[sig] = signal.signal(sig, self._handler)
         return self
@@ -174,4 +181,5 @@ class StopRequest:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        signals.reset()  # the count means something only while these handlers are in place
         return False

@@ -52,6 +52,7 @@ from loomrl.platform.engines.torch_engine import TorchTrainEngine
 from loomrl.platform.metrics import MetricsLog, read_metrics
 from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files
 from loomrl.platform.rewards import RewardError
+from loomrl.platform.rewards.remote import RewardInterrupted
 from loomrl.platform.rewards.sources import build_sources
 from loomrl.platform.rl_step import RLSteps
 from loomrl.platform.rollout import build_rollout_engine
@@ -280,7 +281,7 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
             range(self.step_count, end), desc=r.algorithm.name.upper(), disable=not self.progress, dynamic_ncols=True
         )
         stop = self.stop
-        error = None
+        error, interrupted = None, False
         validating = bool(self.val_samples) and self.writer
         # the handlers stay in place while the run settles: a scheduler's (or torchrun's) SIGTERM then
         # finds the final checkpoint being written instead of killing the process half way
@@ -297,6 +298,8 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
                         raise Interrupted(step + 1, self.save())
                     if ck.every and self.step_count % ck.every == 0 and self.step_count < end:
                         self.save()
+            except RewardInterrupted as e:  # a stop signal during a reward request: the step is abandoned
+                error, interrupted = str(e), True
             except (WorkerDied, RewardError) as e:  # the step is abandoned; the run stops with a checkpoint
                 error = str(e)
             if error is None:  # the checkpoint holds the rollout side's state, so save before it stops
@@ -305,6 +308,9 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
             else:  # what is in flight is settled (re-queued, counted) first; dead workers hold no state
                 self.source.finish(error)
                 path = self.save()
+            if interrupted:
+                log.warning("[run] %s", error)
+                raise Interrupted(self.step_count, path)
         finished = self.step_count == r.training.steps and error is None
         if finished and validating and not (self.validations and self.validations[-1]["step"] == self.step_count):
             self.validate(self.step_count)  # the policy the run ends with

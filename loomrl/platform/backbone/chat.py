@@ -34,6 +34,7 @@ from typing import Optional
 
 from loomrl.config import RecipeError
 from loomrl.datasets.config import DataConfig
+from loomrl.platform.backbone.template_render import TemplateLimit, render_bounded
 
 log = logging.getLogger("loomrl")
 
@@ -47,6 +48,7 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.system_prompt = data.system_prompt
         self.template = self._template(tokenizer, data.chat_template)
+        self.where = self._where(tokenizer, data.chat_template)
         if self.template is None and self.system_prompt:
             why = "is 'none'" if data.chat_template == "none" else "is 'auto' and the tokenizer has none"
             raise RecipeError(
@@ -70,14 +72,28 @@ class ChatFormat:
         except (OSError, UnicodeDecodeError) as e:
             raise RecipeError(f"data.chat_template: cannot read {spec}: {e}") from None
 
+    @staticmethod
+    def _where(tokenizer, spec: str) -> str:
+        """How an error names the template: the file it came from."""
+        if spec != "auto":
+            return spec
+        folder = Path(getattr(tokenizer, "name_or_path", "") or ".")
+        for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+            if (folder / name).is_file():
+                return f"auto: the checkpoint's {folder / name}"
+        return "auto: the tokenizer's own"
+
     def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
+        """The template rendered under bounds (template_render.py): time, output size, loop items."""
+        assert self.template is not None
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
-            )
+            return render_bounded(self.tokenizer, self.template, messages, generation_prompt)
+        except TemplateLimit as e:
+            raise RecipeError(f"data.chat_template: the template is stopped ({self.where}): {e}") from None
         except Exception as e:  # noqa: BLE001 - a Jinja template runs arbitrary logic: any failure is the template's
             raise RecipeError(
-                f"data.chat_template: the template fails to render a conversation: {type(e).__name__}: {e}"
+                f"data.chat_template: the template fails to render a conversation ({self.where}): "
+                f"{type(e).__name__}: {str(e)[:300]}"
             ) from None
 
     def _messages(self, text: str, history: list[dict] | None = None) -> list[dict]:

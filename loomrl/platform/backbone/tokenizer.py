@@ -7,10 +7,16 @@ tokenizer with no checkpoint config) has `<image>` / `<audio>` tokens of its own
 a Qwen2-VL / Qwen2.5-VL checkpoint writes an image as `<|vision_start|>`, its
 placeholders (`image_token_id`), `<|vision_end|>`; Qwen2-Audio writes a clip as
 `<|audio_bos|>`, its placeholders (`audio_token_index`), `<|audio_eos|>`.
+
+A tokenizer folder is input from outside: before transformers reads it, every file it would
+read is checked for size (TOKENIZER_FILE_LIMITS) and every JSON file for nesting depth
+(MAX_JSON_DEPTH, counted without recursion), and any failure of the loader itself (a
+RecursionError included) is a ValueError naming the folder.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -42,12 +48,78 @@ def build_word_tokenizer(words: list[str]):
     )
 
 
+_MB = 1 << 20
+TOKENIZER_FILE_LIMITS = {
+    "tokenizer.json": 256 * _MB,
+    "vocab.json": 128 * _MB,
+    "vocab.txt": 128 * _MB,
+    "merges.txt": 128 * _MB,
+    "tokenizer.model": 128 * _MB,
+    "tokenizer_config.json": 16 * _MB,
+    "special_tokens_map.json": 16 * _MB,
+    "added_tokens.json": 16 * _MB,
+    "chat_template.json": _MB,
+    "chat_template.jinja": _MB,
+    "config.json": 16 * _MB,
+    "processor_config.json": 16 * _MB,
+    "preprocessor_config.json": 16 * _MB,
+}
+"""The largest file of each name a tokenizer folder may hold (Qwen's tokenizer.json: 7 MB)."""
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of a tokenizer JSON file (real ones: under 10)."""
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"')
+_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+def json_depth(data: bytes, limit: int = MAX_JSON_DEPTH) -> int:
+    """The nesting depth of JSON text (strings skipped), counted without recursion; stops
+    counting once past `limit` (returns limit + 1)."""
+    depth = deepest = 0
+    for m in _BRACKETS.finditer(_JSON_STRING.sub(b'""', data)):
+        if m.group() in (b"[", b"{"):
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    return deepest
+        else:
+            depth -= 1
+    return deepest
+
+
+def check_tokenizer_files(folder: Path) -> None:
+    """Every file transformers would read from a tokenizer folder within its size limit, and
+    every JSON one within MAX_JSON_DEPTH; else a ValueError naming the file."""
+    for name, limit in TOKENIZER_FILE_LIMITS.items():
+        path = folder / name
+        try:
+            if not path.is_file():
+                continue
+            size = path.stat().st_size
+            if size > limit:
+                raise ValueError(f"{path}: {size} bytes, over the {limit} a tokenizer file may have")
+            if name.endswith(".json") and json_depth(path.read_bytes()) > MAX_JSON_DEPTH:
+                raise ValueError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read: {e}") from None
+
+
 def load_tokenizer(spec: str):
+    """The demo tokenizer, or the tokenizer folder `spec`, checked first (check_tokenizer_files);
+    a folder that does not load is an OSError or ValueError naming it."""
     if spec == "demo":
         return build_word_tokenizer(vocabulary())
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(Path(spec), local_files_only=True)
+    folder = Path(spec)
+    if folder.is_dir():
+        check_tokenizer_files(folder)
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a folder from outside: any failure of the loader is the folder's
+        raise ValueError(f"{folder}: the tokenizer fails to load: {type(e).__name__}: {str(e)[:300]}") from None
 
 
 def media_layout(
