@@ -99,7 +99,7 @@ def trained_norms(monkeypatch):
                     p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
         return tokenizer, chat, model
 
-    monkeypatch.setattr(parts, "build_policy_parts", build_trained)
+    monkeypatch.setattr(doctor, "build_policy_parts", build_trained)  # what `loomrl doctor` calls
 
 
 def test_trace_vllm_profile_equals_vllm_region_by_region(capsys, demo_shards, trained_norms):

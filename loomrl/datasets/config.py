@@ -68,7 +68,7 @@ class ValidationConfig:
     """Completions per prompt, k. With k > 1 (and a temperature above 0) the metrics add `val_pass@1`
     and `val_pass@k`: the unbiased estimates (Chen et al. 2021) that one sample, and that any of k,
     is correct (its reward at least `pass_threshold`)."""
-    pass_threshold: float = 1.0
+    pass_threshold: float = ranged(1.0, ge=-1e6, le=1e6)
     """The reward from which a validation completion counts as correct, for pass@k."""
     max_new_tokens: Optional[int] = ranged(None, ge=1)
     """Completion length cap (null: rollout.max_new_tokens)."""
