@@ -56,6 +56,7 @@ import torch.distributed as dist
 from loomrl.logs import setup_logging
 from loomrl.platform import faults
 from loomrl.platform import recipe as R
+from loomrl.platform.algorithms.dynamic_sampling import DynamicBooks, informative
 from loomrl.platform.algorithms.overlong import apply_overlong
 from loomrl.platform.engines.launch import torchrun_command
 from loomrl.platform.parts import build_policy_parts, configure_torch, sampling_params
@@ -192,6 +193,7 @@ class WorkerSource:
         self.step = 0
         self.weights_sent = -1
         self.pending_states: Optional[dict] = None  # worker states to send back (--resume)
+        self.books = DynamicBooks()  # dynamic sampling's counts of the step
         self.reset_metrics()
         for w in workers:
             ch.receive_in_background(w)
@@ -265,8 +267,27 @@ class WorkerSource:
             self.m["tokens"] += len(r["ids"])
             self.m["stop"] += r.get("finish") == "stop"
             self.m["n"] += 1
+        self.filter_group(job.key)
         self.m["seconds"].append(float(meta.get("seconds", 0.0)))
         self.m["seq_forwards"] += float(meta.get("seq_forwards", 0.0))
+
+    def filter_group(self, key: str) -> None:
+        """Dynamic sampling (algorithms/dynamic_sampling.py): a finished group without reward spread
+        is dropped, while the step's budget of max_rounds x prompts_per_step drops lasts; the
+        dispatcher's back-pressure then sends another prompt in its place."""
+        ds, per_step = self.recipe.algorithm.dynamic_sampling, self.recipe.training.prompts_per_step
+        group = next((g for g in self.store.ready if g.key == key), None)
+        if not ds.enabled or group is None:
+            return
+        self.books.groups += 1
+        if informative([t.reward for t in group.trajectories], ds):
+            return
+        if self.books.dropped < ds.max_rounds * per_step:
+            self.store.drop(group, "zero_variance")
+            self.books.dropped += 1
+            self.books.extra_rounds = self.books.dropped / per_step
+        else:
+            self.books.zero_var_trained += 1
 
     def worker_died(self, w: int, why: str) -> None:
         jobs = self.disp.worker_died(w, why)
@@ -367,6 +388,8 @@ class WorkerSource:
             "rollout_workers_live": len(self.live),
             "prompts_requeued": self.disp.requeue_count,
         }
+        if self.recipe.algorithm.dynamic_sampling.enabled:
+            row.update(self.books.row())
         self.reset_metrics()
         return row
 

@@ -291,6 +291,11 @@ def validate(r: Recipe) -> None:
     least = algorithm.trait("min_samples", 1)
     if r.rollout.n < least:
         raise RecipeError(f"rollout.n: {r.algorithm.name.upper()} needs at least {least} samples per prompt")
+    if r.algorithm.dynamic_sampling.enabled and (algorithm.trait("advantages") != "group" or r.rollout.n < 2):
+        raise RecipeError(
+            "algorithm.dynamic_sampling.enabled: dynamic sampling drops groups whose rewards are all alike; it needs "
+            f"a group-advantage algorithm (not {r.algorithm.name}) and rollout.n >= 2 (got {r.rollout.n})"
+        )
     batch = r.training.prompts_per_step * r.rollout.n
     if r.training.prompts_per_step % r.training.mini_batches:  # a GRPO group is never split
         raise RecipeError(

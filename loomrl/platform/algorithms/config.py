@@ -67,6 +67,22 @@ class OverlongConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (algorithms/dynamic_sampling.py): groups whose rewards are all alike
+    train on zero advantage, so they are dropped and more prompts are drawn until the step is full."""
+
+    enabled: bool = False
+    """Drop groups whose reward spread is at most min_reward_std and generate more prompts in their
+    place (a group-advantage algorithm with rollout.n >= 2)."""
+    max_rounds: int = ranged(4, ge=1)
+    """Extra generation rounds a step may take (disaggregated: extra prompts up to max_rounds x
+    training.prompts_per_step); when they are spent, the step is filled with the dropped groups
+    generated first (counted as `dynamic_zero_var_trained`)."""
+    min_reward_std: float = ranged(0.0, ge=0)
+    """A group is dropped when the standard deviation of its rewards is at most this (0: all equal)."""
+
+
+@dataclass
 class AlgorithmConfig:
     """The RL objective."""
 
@@ -115,6 +131,8 @@ class AlgorithmConfig:
     """Rollout/trainer importance correction; its ratio is reported every step."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """Overlong shaping and filtering (DAPO)."""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """Dynamic sampling (DAPO): zero-variance groups dropped, more prompts drawn."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO's critic and GAE."""
 

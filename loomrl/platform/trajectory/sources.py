@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from loomrl.encoders.media import Medium
 from loomrl.platform import faults
+from loomrl.platform.algorithms.dynamic_sampling import DynamicBooks, informative, next_round_prompts, split_groups
 from loomrl.platform.algorithms.overlong import apply_overlong
 from loomrl.platform.engines.base import check_rank_agreement, gather_rank_states, rank_state, world
 from loomrl.platform.parts import sampling_params, to_prompts
@@ -252,6 +253,28 @@ class LeaderSource:
 
 
 @dataclass
+class Round:
+    """One generation round of a colocated step (`ColocatedSource._round`): its samples and prompts,
+    every rank's scored rows, their trajectories (sorted prompt by prompt), what each rank reported."""
+
+    samples: list
+    prompts: list
+    trajs: list[Trajectory]
+    rows: list["RolloutRow"]
+    gathered: list[dict]
+    draft_stats: object
+    spec_metrics: dict
+    compare: Optional[dict]
+
+    def group_rewards(self) -> list[list[float]]:
+        """Each prompt's rewards, in prompt order."""
+        groups: dict[int, list[float]] = {}
+        for t in self.trajs:
+            groups.setdefault(t.group, []).append(t.reward)
+        return [groups[k] for k in sorted(groups)]
+
+
+@dataclass
 class RolloutRow:
     """One scored rollout as the ranks exchange it (JSON): the prompt's index in the step, the
     sample's index in its group, the completion, its rollout log-probs and rewards."""
@@ -283,36 +306,77 @@ class ColocatedSource:
         self.rank, self.world = world()
         self.metrics: dict = {}
         self.last_prompts: list = []
+        self.books = DynamicBooks()  # dynamic sampling's counts of the step
 
     def admit(self, step: int, version: int) -> list[list[Trajectory]]:
+        """The step's rollouts (with dynamic sampling: as many rounds as it takes, up to its bound),
+        scored, exchanged, into the store, and admitted as the step's mini-batches."""
+        wanted = self.recipe.training.prompts_per_step
+        ds = self.recipe.algorithm.dynamic_sampling
+        rounds = [self._round(step, wanted, 0)]
+        while ds.enabled and len(rounds) <= ds.max_rounds:
+            so_far = [g for rd in rounds for g in rd.group_rewards()]
+            kept = sum(informative(g, ds) for g in so_far)
+            if kept >= wanted:
+                break
+            count = next_round_prompts(wanted, kept, len(so_far))
+            count = -(-count // self.world) * self.world  # every rank generates its share
+            rounds.append(self._round(step, count, len(so_far)))
+        first = rounds[0]
+        samples = [s for rd in rounds for s in rd.samples]
+        trajs = [t for rd in rounds for t in rd.trajs]
+        ranks_agree = check_rank_agreement(step, trajs)  # the exchange gave every rank the same step
+        per_rank = [
+            {k: sum(rd.gathered[i][k] for rd in rounds) for k in ("tokens", "seconds", "seq_forwards")}
+            for i in range(len(first.gathered))
+        ]
+        rows = [row for rd in rounds for row in rd.rows]
+        self.metrics = self._rollout_metrics(samples, trajs, rows, per_rank, ranks_agree)
+        if self.rollout.drafter is not None:  # drafting figures of the step's first round
+            self.metrics.update(self._drafting_metrics(first.draft_stats))
+            if first.compare:
+                self.metrics.update(first.compare)
+        self.metrics.update(first.spec_metrics)  # vLLM's own speculative-decoding counters
+        drops: dict[int, str] = {}
+        if ds.enabled:
+            rewards = [g for rd in rounds for g in rd.group_rewards()]
+            _, drops = split_groups(rewards, ds, wanted, self.books)
+            self.books.extra_rounds = len(rounds) - 1
+            self.metrics.update(self.books.row())
+        self.last_prompts = first.prompts
+        admitted = admit_step(self.store, self.recipe, trajs, step, drops)
+        batches = [[t for g in groups for t in g.trajectories] for groups in admitted]
+        for groups in admitted:
+            self.store.mark_trained(groups)
+        return batches
 
-        samples = self.prompts.next(self.recipe.training.prompts_per_step)
+    def _round(self, step: int, count: int, base: int) -> "Round":
+        """One generation round: `count` more prompts of the step, this rank's share generated and
+        scored, every rank's rows exchanged; their groups are numbered from `base` in the step."""
+        samples = self.prompts.next(count)
         faults.maybe_die("rollout")
         prompts = to_prompts(samples)
         mine = list(range(self.rank, len(prompts), self.world))
         local = [prompts[i] for i in mine]
         self.generated_here = [p.id for p in local]  # this rank's share of the step's prompts
-        result, compare = self._generate(step, local)
+        result, compare = self._generate(step, local, first=base == 0)
         for r in result.rollouts:  # NgramRL: finished rollouts feed their prompt's draft history
             self.rollout.observe(local[r.prompt_index].id, r.completion_ids)
         draft_stats = copy.copy(self.rollout.last_stats)
         spec_metrics = dict(self.rollout.spec_metrics)
-        rows = self._scored_rows(result, samples, mine)
         gathered = all_gather_json(
             {
-                "rows": [dataclasses.asdict(row) for row in rows],
+                "rows": [dataclasses.asdict(row) for row in self._scored_rows(result, samples, mine)],
                 "tokens": result.tokens,
                 "seconds": result.seconds,
                 "seq_forwards": result.seq_forwards,
             }
         )
-        every_row = sorted(
-            (RolloutRow(**row) for g in gathered for row in g["rows"]), key=lambda r: (r.prompt, r.sample)
-        )
+        rows = sorted((RolloutRow(**row) for g in gathered for row in g["rows"]), key=lambda r: (r.prompt, r.sample))
         trajs = [
             Trajectory(
                 samples[row.prompt].id,
-                row.prompt,
+                base + row.prompt,
                 samples[row.prompt].ids,
                 row.completion_ids,
                 samples[row.prompt].media,
@@ -321,30 +385,19 @@ class ColocatedSource:
                 self.rollout.version,
                 reward_parts=row.reward_parts,
             )
-            for row in every_row
+            for row in rows
         ]
-        for t, row in zip(trajs, every_row):  # DAPO's length shaping and truncation filter, when set
+        for t, row in zip(trajs, rows):  # DAPO's length shaping and truncation filter, when set
             apply_overlong(t, row.finish_reason, self.recipe.rollout.max_new_tokens, self.recipe.algorithm.overlong)
-        ranks_agree = check_rank_agreement(step, trajs)  # the exchange gave every rank the same step
-        self.metrics = self._rollout_metrics(samples, trajs, every_row, gathered, ranks_agree)
-        if self.rollout.drafter is not None:
-            self.metrics.update(self._drafting_metrics(draft_stats))
-            if compare:
-                self.metrics.update(compare)
-        self.metrics.update(spec_metrics)  # vLLM's own speculative-decoding counters
-        self.last_prompts = prompts
-        admitted = admit_step(self.store, self.recipe, trajs, step)
-        batches = [[t for g in groups for t in g.trajectories] for groups in admitted]
-        for groups in admitted:
-            self.store.mark_trained(groups)
-        return batches
+        return Round(samples, prompts, trajs, rows, gathered, draft_stats, spec_metrics, compare)
 
-    def _generate(self, step: int, local: list):
-        """This rank's rollouts of its prompts; every `rollout.drafter.compare_every` steps the same
+    def _generate(self, step: int, local: list, first: bool = True):
+        """This rank's rollouts of its prompts; every `rollout.drafter.compare_every` steps (in the
+        step's first round) the same
         prompts and weights also go through without drafting, timed (the order alternates, as the
         second call of a step finds the media encodings cached). Returns (result, comparison or None)."""
         every = self.recipe.rollout.drafter.compare_every
-        compare_now = bool(every) and step % every == 0 and self.rollout.drafter is not None
+        compare_now = first and bool(every) and step % every == 0 and self.rollout.drafter is not None
         plain_first = compare_now and (step // every) % 2 == 0
 
         def plain_run():
