@@ -44,10 +44,11 @@ def cmd_run(args) -> int:
 
     try:
         recipe = R.load_recipe(args.recipe, args.overrides, files=not args.dry_run)
+        nodes = job_nodes(args, recipe)
         resolve_sources(recipe, missing_ok=args.dry_run)  # data.source: its shards, made once (by a dry run too)
         if args.dry_run:
             return dry_run(recipe)
-        out, lock = run_folder(args, recipe)  # the lock is held while `lock` lives: this call's length
+        out, lock = run_folder(args, recipe, nodes)  # the lock is held while `lock` lives: this call's length
         resume_from = resume_point(args, recipe, out)
     except R.RecipeError as e:
         print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
@@ -55,18 +56,43 @@ def cmd_run(args) -> int:
     except Refused as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if recipe.training.nproc > 1 or recipe.pipeline.mode == "disaggregated":
+    if (recipe.training.nproc > 1 or recipe.pipeline.mode == "disaggregated") and nodes.rank == 0:
         from loomrl.platform.parts import shard_files
 
-        shard_files(recipe)  # demo shards written once, here, not by every rank at the same time
+        shard_files(recipe)  # demo shards written once, here, not by every rank (or node) at the same time
     run_args = [args.recipe, *args.overrides]
     run_args += ["--resume-from", str(resume_from)] if resume_from is not None else []
     run_args += ["--max-steps", str(args.max_steps)] if args.max_steps is not None else []
     if recipe.pipeline.mode == "disaggregated":  # torchrun: training.nproc trainers + pipeline.rollout_workers
         from loomrl.platform.disaggregated import launch
 
-        return launch(recipe, run_args, out)
-    return train(args, recipe, out, resume_from, run_args)
+        return launch(recipe, run_args, out, nodes)
+    return train(args, recipe, out, resume_from, run_args, nodes)
+
+
+def job_nodes(args, recipe):
+    """The machines of the job (`--nnodes` ...): checked against the recipe's processes, which must
+    split evenly over them (Refused otherwise, by --dry-run too)."""
+    from loomrl.platform.engines import TRAINING_ENGINES
+    from loomrl.platform.engines.launch import Nodes
+
+    nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    if nodes.count == 1 and nodes.rank == 0:
+        return nodes
+    disaggregated = recipe.pipeline.mode == "disaggregated"
+    if not disaggregated and not TRAINING_ENGINES.get(recipe.training.engine).trait("distributed", False):
+        raise Refused(
+            f"--nnodes {nodes.count}: training.engine={recipe.training.engine} runs in one process; "
+            "a job over several machines needs a distributed engine (deepspeed, megatron) "
+            "or pipeline.mode=disaggregated"
+        )
+    total = recipe.training.nproc + (recipe.pipeline.rollout_workers if disaggregated else 0)
+    what = "training.nproc + pipeline.rollout_workers" if disaggregated else "training.nproc"
+    try:
+        nodes.per_node(total, what)
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    return nodes
 
 
 def dry_run(recipe) -> int:
@@ -84,17 +110,20 @@ def dry_run(recipe) -> int:
     return 0
 
 
-def run_folder(args, recipe):
+def run_folder(args, recipe, nodes):
     """(the run folder, its lock): --out, the folder a --resume-from checkpoint is in, or
     runs/NAME-TIME; checked (empty unless resuming, a loomrl run when resuming) and locked (the
     lock is held until the returned file object is closed or collected: keep it), except in a rank
-    under torchrun, whose launcher did both (lock None). Refused when it cannot be used."""
+    under torchrun, whose launcher did both, and on nodes other than node 0, whose launcher does
+    both for the job (lock None). Refused when it cannot be used."""
     out = Path(args.out) if args.out else Path("runs") / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.resume_from and not args.out:
         out = Path(args.resume_from).resolve().parent.parent  # RUN/checkpoints/step-N
     if args.resume and not args.out:
         raise Refused("--resume needs --out DIR (the run folder to continue)")
-    if "LOOMRL_NPROC_CHILD" in os.environ:  # a rank under torchrun: the launcher checked and locked
+    if nodes.count > 1 and not args.out and not args.resume_from:
+        raise Refused(f"--nnodes {nodes.count}: give every node the same --out DIR (on a shared filesystem)")
+    if "LOOMRL_NPROC_CHILD" in os.environ or nodes.rank > 0:  # a rank under torchrun, or another node
         return out, None
     try:
         existing = [p.name for p in out.iterdir() if p.name != ".lock"] if out.is_dir() else []
@@ -137,7 +166,7 @@ def resume_point(args, recipe, out: Path) -> Optional[Path]:
     return resume_from
 
 
-def train(args, recipe, out: Path, resume_from: Optional[Path], run_args: list[str]) -> int:
+def train(args, recipe, out: Path, resume_from: Optional[Path], run_args: list[str], nodes) -> int:
     """A colocated run in this process (and, for an engine that needs a process group, under
     torchrun with training.nproc ranks); its summary and exit code."""
     from loomrl.platform import recipe as R
@@ -150,8 +179,8 @@ def train(args, recipe, out: Path, resume_from: Optional[Path], run_args: list[s
 
     distributed = TRAINING_ENGINES.get(recipe.training.engine).trait("distributed", False)
     if distributed:  # DeepSpeed / Megatron: a process group, torchrun above 1 process
-        if recipe.training.nproc > 1 and not engines_launch.launched():
-            return engines_launch.launch(recipe.training.nproc, ["run", *run_args, "--out", str(out)])
+        if (recipe.training.nproc > 1 or nodes.count > 1) and not engines_launch.launched():
+            return engines_launch.launch(recipe.training.nproc, ["run", *run_args, "--out", str(out)], nodes)
         engines_launch.init_distributed()
     rank = world()[0]  # now: an in-process vLLM tears the default group down when it shuts down
     try:
@@ -342,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-steps", type=steps_count, metavar="N", help="stop after N RL steps in total, with a checkpoint"
     )
+    nodes = p.add_argument_group("several machines (docs/multi-node.md): the same command on every node")
+    nodes.add_argument("--nnodes", type=steps_count, default=1, metavar="N", help="machines in the job (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's index, 0..N-1")
+    nodes.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="node 0's address")
+    nodes.add_argument("--master-port", type=int, default=29500, metavar="PORT", help="node 0's rendezvous port")
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("report", help="plot DIR/metrics.jsonl into DIR/report.png, or overlay several runs")
     p.add_argument("run_dir", nargs="+", help="a run folder; several: their curves overlaid (needs --out)")

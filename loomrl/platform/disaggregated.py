@@ -58,7 +58,7 @@ from loomrl.platform import faults
 from loomrl.platform import recipe as R
 from loomrl.platform.algorithms.dynamic_sampling import DynamicBooks, informative
 from loomrl.platform.algorithms.overlong import apply_overlong
-from loomrl.platform.engines.launch import torchrun_command
+from loomrl.platform.engines.launch import ONE_NODE, Nodes, torchrun_command
 from loomrl.platform.parts import build_policy_parts, configure_torch, sampling_params
 from loomrl.platform.rewards.sources import score
 from loomrl.platform.rollout import build_rollout_engine
@@ -76,19 +76,24 @@ EXIT_FILE = "exit_code"
 log = logging.getLogger("loomrl")
 
 
-def launch(recipe: R.Recipe, cli_args: list[str], out: Path) -> int:
-    """Run the roles under torchrun; the trainer's exit code (0, 2 = stopped, 3 = goal missed,
-    130 = interrupted). cli_args: the recipe path, overrides and run options."""
-    (out / EXIT_FILE).unlink(missing_ok=True)
+def launch(recipe: R.Recipe, cli_args: list[str], out: Path, nodes: Nodes = ONE_NODE) -> int:
+    """Run the roles under torchrun (this node's share of them); the trainer's exit code (0, 2 =
+    stopped, 3 = goal missed, 130 = interrupted). cli_args: the recipe path, overrides and run
+    options. On a node other than node 0 (which runs trainer rank 0 and reads its exit code): the
+    exit status of this node's ranks."""
+    if nodes.rank == 0:
+        (out / EXIT_FILE).unlink(missing_ok=True)
     nproc = recipe.training.nproc + recipe.pipeline.rollout_workers
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) * nodes.count // nproc)))
     try:
         rc = subprocess.call(
-            torchrun_command(nproc, [*cli_args, "--out", str(out)], module="loomrl.platform.disaggregated"), env=env
+            torchrun_command(nproc, [*cli_args, "--out", str(out)], "loomrl.platform.disaggregated", nodes), env=env
         )
     except KeyboardInterrupt:
         rc = 130
+    if nodes.rank > 0:  # trainer rank 0 runs on node 0, which reads its exit code
+        return rc
     code = out / EXIT_FILE
     if code.exists():
         return int(code.read_text())
