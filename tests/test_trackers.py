@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from loomrl.cli import main
 from loomrl.platform import recipe as R
@@ -233,3 +234,21 @@ def test_a_run_and_its_resume_log_the_metrics_files_to_both_trackers(tmp_path):
     assert check_trackers(out) == ids  # the same runs, holding all four steps
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3]
     assert len(wandb_logs(out, ids["wandb"])) == 2
+
+    recipe = yaml.safe_load((out / "recipe.yaml").read_text())  # the run's recipe: wandb config, MLflow params
+    first_log = wandb_records(wandb_logs(out, ids["wandb"])[0])
+    config = next(r for r in first_log if r["type"] == "run")["run"]["config"]["update"]
+    assert {k: v for k, v in config.items() if k != "_wandb"} == recipe
+
+    def leaves(d: dict, prefix: str = "") -> dict:
+        return {
+            k2: v2
+            for k, v in d.items()
+            for k2, v2 in (leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {prefix + k: v}).items()
+        }
+
+    from mlflow.tracking import MlflowClient
+
+    params = MlflowClient((out / "mlruns").resolve().as_uri()).get_run(ids["mlflow"]).data.params
+    assert len(params) > 100 and params.keys() == leaves(recipe).keys()  # more than one batch of 100
+    assert params["training.steps"] == "4" and params["name"] == recipe["name"]

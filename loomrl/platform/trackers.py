@@ -6,8 +6,9 @@ order, as numeric scalars under the same keys (a warm-up row's keys under `warmu
 run's recipe (RUN/recipe.yaml's dict) once: as the wandb config, and flattened into MLflow params.
 
 - wandb: a row is one history row holding `step` (warm-up: `warmup/step`), declared as the
-  x-axis of the row's metrics (`define_metric`): wandb's own `_step` must only grow, and the warm-up
-  and the RL stage each count their steps from 0. Offline by default (nothing leaves the machine;
+  x-axis of each of the row's metrics (`define_metric`, key by key, without `step_sync`, which
+  would add keys to rows): wandb's own `_step` must only grow, and the warm-up and the RL stage
+  each count their steps from 0. Offline by default (nothing leaves the machine;
   `wandb sync` uploads later); console capture, system stats, git and code saving are off.
 - MLflow: a row is a batch of metrics at the row's step, through `MlflowClient` (no global active
   run). The default store is a local file store, RUN/mlruns; MLflow 3 refuses file stores unless
@@ -95,13 +96,16 @@ class WandbTracker:
             settings=settings,
         )
         self.id = self.run.id
-        self.run.define_metric("step")
-        self.run.define_metric("warmup/step")
-        self.run.define_metric("warmup/*", step_metric="warmup/step")
-        self.run.define_metric("*", step_metric="step")
+        self.defined: set[str] = set()
 
     def log(self, row: dict, prefix: str) -> None:
-        self.run.log(scalars(row, prefix))
+        values = scalars(row, prefix)
+        x = prefix + "step"
+        for key in sorted(values.keys() - self.defined):  # each metric's x-axis, once, when it first appears
+            if key != x:  # per key: a glob ("*") would also match the warm-up's keys; no step_sync: it adds keys
+                self.run.define_metric(key, step_metric=x, step_sync=False)
+            self.defined.add(key)
+        self.run.log(values)
 
     def where(self) -> str:
         if self.run.offline:
@@ -169,13 +173,14 @@ class MLflowTracker:
 
     def log(self, row: dict, prefix: str) -> None:
         from mlflow.entities import Metric
+        from mlflow.utils.validation import MAX_METRICS_PER_BATCH
 
         stamp, step = int(time.time() * 1000), int(row["step"])
         values = scalars(row, prefix)
         values.pop(prefix + "step", None)  # the x-axis of the others
         metrics = [Metric(k, float(v), stamp, step) for k, v in values.items()]
-        if metrics:
-            self.client.log_batch(self.id, metrics=metrics)
+        for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
 
     def where(self) -> str:
         return f"run {self.id} in {self.uri}"
