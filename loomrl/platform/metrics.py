@@ -1,5 +1,6 @@
-"""Per-step metrics: metrics.jsonl (one JSON object per line, flushed each step)
-and TensorBoard event files."""
+"""Per-step metrics: metrics.jsonl (one JSON object per line, flushed each step),
+TensorBoard event files, and the run's experiment trackers (wandb, MLflow: trackers.py), which
+get each row as it is written."""
 
 from __future__ import annotations
 
@@ -30,9 +31,15 @@ def comparable(row: dict) -> dict:
 
 
 class MetricsLog:
-    def __init__(self, out: Path, filename: str = "metrics.jsonl", tensorboard: bool = True, prefix: str = ""):
+    """A metrics file of the run folder, with its TensorBoard copy and the run's trackers (the
+    caller owns and closes `trackers`: the warm-up and the RL log share them)."""
+
+    def __init__(
+        self, out: Path, filename: str = "metrics.jsonl", tensorboard: bool = True, prefix: str = "", trackers=None
+    ):
         self.path = out / filename
         self.prefix = prefix
+        self.trackers = trackers
         self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:
@@ -45,6 +52,8 @@ class MetricsLog:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(self.prefix + k, v, row["step"])
+        if self.trackers is not None:
+            self.trackers.log(row, self.prefix)
 
     def close(self) -> None:
         self.file.close()

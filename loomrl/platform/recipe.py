@@ -14,6 +14,7 @@ before any work starts. The names of every part's config are re-exported here.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
@@ -118,6 +119,10 @@ __all__ = [  # the parts' configs and the config core, for `from loomrl.platform
     "VLLMConfig",
     "PipelineConfig",
     "LoggingConfig",
+    "WandbConfig",
+    "MLflowConfig",
+    "TRACKER_LIBRARIES",
+    "validate_trackers",
     "CheckpointConfig",
     "GoalConfig",
     "Recipe",
@@ -135,6 +140,44 @@ __all__ = [  # the parts' configs and the config core, for `from loomrl.platform
 ]
 
 
+WANDB_TAG_MAX = 64
+"""W&B refuses a tag longer than this."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases: each metrics row as a wandb history row (rank 0; `loomrl[trackers]`)."""
+
+    enabled: bool = False
+    """Log the run's metrics (and its recipe, as the wandb config) to a wandb run."""
+    project: str = "loomrl"
+    """The wandb project."""
+    name: Optional[str] = None
+    """The wandb run's display name (null: the run folder's name)."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the wandb run."""
+    mode: Literal["offline", "online"] = "offline"
+    """offline: written under `dir` only (upload later with `wandb sync`); online: streamed to the
+    server (needs `wandb login`)."""
+    dir: Optional[str] = None
+    """The folder wandb writes its `wandb/` folder into (null: the run folder)."""
+
+
+@dataclass
+class MLflowConfig:
+    """MLflow: each metrics row as MLflow metrics at its step (rank 0; `loomrl[trackers]`)."""
+
+    enabled: bool = False
+    """Log the run's metrics (and its recipe, flattened, as params) to an MLflow run."""
+    tracking_uri: Optional[str] = None
+    """The tracking store (`file:...`, `http://...`, `sqlite:///...`; null: a local file store,
+    RUN/mlruns)."""
+    experiment: str = "loomrl"
+    """The MLflow experiment (created if missing)."""
+    run_name: Optional[str] = None
+    """The MLflow run's name (null: the run folder's name)."""
+
+
 @dataclass
 class LoggingConfig:
     """What a run writes and shows."""
@@ -147,6 +190,8 @@ class LoggingConfig:
     """Every N RL steps, recompute the step's log-probs with a BF16 copy of the policy under each
     rounding setting (as `loomrl doctor` does) and log the mismatch to the rollout log-probs as
     `mismatch_<setting>_{mean,max,kl}` (0 = off)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
 
 
 @dataclass
@@ -246,6 +291,30 @@ def validate_freeze(r: Recipe) -> None:
         )
 
 
+TRACKER_LIBRARIES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-skinny")}
+"""logging.<tracker> -> (the module it imports, the package that installs it)."""
+
+
+def validate_trackers(lg: LoggingConfig) -> None:
+    """`logging.wandb` / `logging.mlflow`: an enabled tracker's library is installed (at load, so
+    `--dry-run` says so), and its names are usable."""
+    for key, (module, package) in TRACKER_LIBRARIES.items():
+        if getattr(lg, key).enabled and importlib.util.find_spec(module) is None:
+            raise RecipeError(
+                f"logging.{key}.enabled: {module} is not installed; pip install {package} "
+                f"(or the trackers extra: pip install -e '.[trackers]')"
+            )
+    for i, tag in enumerate(lg.wandb.tags):
+        if not tag or len(tag) > WANDB_TAG_MAX:
+            raise RecipeError(f"logging.wandb.tags[{i}]: {show(tag)} must be 1 to {WANDB_TAG_MAX} characters")
+    for key, value in (
+        ("logging.wandb.project", lg.wandb.project),
+        ("logging.mlflow.experiment", lg.mlflow.experiment),
+    ):
+        if not value.strip():
+            raise RecipeError(f"{key}: must not be empty")
+
+
 def validate(r: Recipe) -> None:
     """Checks across fields and of the shard pattern (each field's range is checked at load)."""
 
@@ -304,6 +373,7 @@ def validate(r: Recipe) -> None:
             f"mini-batches of whole groups"
         )
     check_data_and_validation(r)
+    validate_trackers(r.logging)
     if algorithm.trait("supervised"):
         name = f"algorithm.name={r.algorithm.name}"
         if r.pipeline.mode != "colocated":

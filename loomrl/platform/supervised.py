@@ -52,7 +52,11 @@ class SupervisedSteps:
                 rng.setstate((version, tuple(internal), gauss))
             self.rows_before(self.out / "warmup.jsonl", start)  # the steps after the checkpoint run again
             log.info("[run] resumed the warm-up from %s at step %d", self.resume_from, start)
-        wlog = MetricsLog(self.out, "warmup.jsonl", r.logging.tensorboard, prefix="warmup/") if self.writer else NoLog()
+        wlog = (
+            MetricsLog(self.out, "warmup.jsonl", r.logging.tensorboard, prefix="warmup/", trackers=self.trackers)
+            if self.writer
+            else NoLog()
+        )
         bar = tqdm(range(start, w.steps), desc="warm-up (SFT)", disable=not self.progress, dynamic_ncols=True)
         self.prompts.require_answer = w.target == "answer"
         try:

@@ -70,6 +70,7 @@ from loomrl.platform.run_state import (  # noqa: F401 (re-exported: the trainer'
     value_metrics,
 )
 from loomrl.platform.supervised import SupervisedSteps
+from loomrl.platform.trackers import Trackers
 from loomrl.platform.trajectory.sources import ColocatedSource, NoRollouts, WorkerDied
 from loomrl.platform.trajectory.store import TrajectoryStore
 from loomrl.platform.validation import Validation
@@ -104,6 +105,7 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
         self.extra_models: dict = {}
         self.source = None
         self.log = None
+        self.trackers: Optional[Trackers] = None  # rank 0's wandb / MLflow runs (shared by the warm-up and RL logs)
         self.stop = StopRequest()  # SIGINT/SIGTERM: finish the step, checkpoint, stop
         self.algorithm = ALGORITHMS.get(recipe.algorithm.name)  # its traits: supervised, advantages
         self.sft = bool(self.algorithm.trait("supervised"))
@@ -142,6 +144,7 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
             if self.resume_from is None:
                 for name in ("metrics.jsonl", "warmup.jsonl"):
                     (out / name).unlink(missing_ok=True)
+            self.trackers = Trackers(r.logging, out, R.run_dict(r), resume=self.resume_from is not None)
         if warmup_from is not None and warmup_from < r.training.warmup.steps:
             self.warmup(warmup_from, ckpt_state if self.resume_from is not None else None, engine_state)
 
@@ -158,7 +161,9 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
             self.source = self.build_source()
         if ckpt_state is not None and warmup_from is None:
             self.load_state_dict(ckpt_state, engine_state)
-        self.log = MetricsLog(out, "metrics.jsonl", r.logging.tensorboard) if self.writer else NoLog()
+        self.log = (
+            MetricsLog(out, "metrics.jsonl", r.logging.tensorboard, trackers=self.trackers) if self.writer else NoLog()
+        )
 
     def describe(self, files: list) -> None:
         """The run's opening lines: data, model, stages, chat format, mode, folder; parts; validation."""
@@ -369,15 +374,24 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
 
     def run(self) -> RunResult:
         """setup -> train -> close."""
+        status = "failed"
         try:
             self.setup()
-            return self.train()
+            result = self.train()
+            status = "finished" if result.error is None else "failed"
+            return result
+        except Interrupted:
+            status = "killed"
+            raise
         finally:
-            self.close()
+            self.close(status)
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
+        """The logs, the trackers' runs (status: finished, failed or killed), the source."""
         if self.log is not None:
             self.log.close()
+        if self.trackers is not None:
+            self.trackers.close(status)
         if self.source is not None:
             self.source.close()
 
@@ -514,6 +528,7 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
             f"outputs         {self.out}/metrics.jsonl, {tensorboard}{ckpt.relative_to(self.out)}",
             f"plot            loomrl report {self.out}",
         ]
+        lines += self.trackers.summary_lines() if self.trackers is not None else []
         if error:
             lines.append(f"error: {error}; run stopped at step {self.step_count} with checkpoint {ckpt}")
         elif self.step_count < r.training.steps:
