@@ -302,12 +302,35 @@ def cmd_plan(args) -> int:
     from loomrl.platform import recipe as R
 
     try:
-        plan = plan_recipe(args.recipe, args.overrides, args.gpu_memory, args.seq_len, args.fused_attention)
+        overrides = args.overrides + cluster_overrides(args)
+        plan = plan_recipe(args.recipe, overrides, args.gpu_memory, args.seq_len, args.fused_attention)
     except (R.RecipeError, PlanError) as e:
         print(f"error: recipe {args.recipe}: {e}", file=sys.stderr)
         return 2
+    if args.nodes is not None:
+        plan.ranks.update(nodes=args.nodes, gpus_per_node=args.gpus_per_node)
     report(plan, args.json)
     return 0 if plan.fits else 3
+
+
+def cluster_overrides(args) -> list[str]:
+    """`plan --nodes N --gpus-per-node G`: the job on N x G GPUs, one rank each: training.nproc is
+    N x G (disaggregated: less the recipe's rollout workers)."""
+    from loomrl.platform import recipe as R
+
+    if (args.nodes is None) != (args.gpus_per_node is None):
+        raise R.RecipeError("--nodes and --gpus-per-node go together")
+    if args.nodes is None:
+        return []
+    recipe = R.load_recipe(args.recipe, args.overrides, files=False)
+    workers = recipe.pipeline.rollout_workers if recipe.pipeline.mode == "disaggregated" else 0
+    trainers = args.nodes * args.gpus_per_node - workers
+    if trainers < 1:
+        raise R.RecipeError(
+            f"pipeline.rollout_workers: {workers} workers leave no GPU to train on "
+            f"{args.nodes} x {args.gpus_per_node} GPUs"
+        )
+    return [f"training.nproc={trainers}"]
 
 
 def positive_gib(text: str) -> float:
@@ -419,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="plan activations without the attention score matrix (a fused SDPA / flash kernel)",
     )
+    p.add_argument("--nodes", type=positive_int, metavar="N", help="machines (with --gpus-per-node): training.nproc")
+    p.add_argument("--gpus-per-node", type=positive_int, metavar="G", help="GPUs per machine, one rank each")
     p.set_defaults(fn=cmd_plan)
     # Overrides may come after options (`run R.yaml --out D a.b=1`): collect them.
     args, extra = ap.parse_known_args(argv)

@@ -119,6 +119,16 @@ def test_megatron_tp2_halves_the_language_models_linear_weights(capsys, hf_count
     assert b["activations"] == pytest.approx(2 * L * _layer_bytes(s, mb, tp=2) + (4 + 4) * s * mb * V, rel=1e-9)
 
 
+def test_nodes_times_gpus_per_node_is_the_world(capsys, hf_counts):
+    """`--nodes 2 --gpus-per-node 8`: 16 ranks, so ZeRO-3 shards the weights and optimizer 16 ways."""
+    total, _, _ = hf_counts
+    data, out = _plan(capsys, ZERO3, *STORED, "--nodes", "2", "--gpus-per-node", "8")
+    assert data["ranks"] == {"world": 16, "dp": 16, "tp": 1, "nodes": 2, "gpus_per_node": 8}
+    assert data["per_rank_bytes"]["optimizer"] == 12 * total / 16 and "16 rank(s)" in out
+    assert main(["plan", ZERO3, "--nodes", "2"]) == 2  # the two go together
+    assert "--nodes and --gpus-per-node go together" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("gib, code", [(1, 3), (100000, 0)])
 def test_gpu_memory_decides_whether_it_fits(capsys, gib, code):
     data, out = _plan(capsys, ZERO3, *STORED, "--gpu-memory", str(gib), code=code)
