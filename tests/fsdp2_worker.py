@@ -3,11 +3,12 @@
 
 The same fixed micro-batches as tests/engines_worker.py (the demo model, the real GRPO loss, 4
 mini-batches of 4 micro-batches), trained by the torch engine in each process (the reference)
-and by the FSDP2 engine in variants: FP32; mini-batches where a tower is idle on one rank or
-on every rank; activation checkpointing with vision + merger frozen
-(against the torch engine with the same parts frozen); LoRA; CPU offload; BF16 with FSDP2's
-mixed precision and BF16 autocast alone (against the torch engine's BF16 path); a stop after 2
-steps and a resume from the saved engine state. Rank 0 writes losses, grad norms and the max
+and by the FSDP2 engine in variants: FP32; CPU offload; layers kept gathered between forward
+and backward (reshard_after_forward false); mini-batches where a tower is idle on one rank or on
+every rank; activation checkpointing with vision + merger frozen (against the torch engine with
+the same parts frozen); LoRA; BF16 with FSDP2's mixed precision and BF16 autocast alone
+(against the torch engine's BF16 path); a stop after 2 steps and a resume from the saved engine
+state. Rank 0 writes losses, grad norms and the max
 |difference| of the exported weights to OUT.json.
 """
 
@@ -124,6 +125,7 @@ def main():
     out["torch"], ref = reference(recipe, policy, batches, loss_fn)
     fp32 = run("fp32", recipe, policy, batches, loss_fn, out, ref)
     run("offload", recipe, policy, batches, loss_fn, out, ref, cpu_offload=True)
+    run("keep_gathered", recipe, policy, batches, loss_fn, out, ref, reshard_after_forward=False)
     idle = one_tower_batches(policy, trajectories) + batches[2:]
     out["torch_idle"], ref_idle = reference(recipe, policy, idle, loss_fn)
     run("idle", recipe, policy, idle, loss_fn, out, ref_idle)

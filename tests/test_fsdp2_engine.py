@@ -50,6 +50,7 @@ def test_training_moves_the_loss(results):
     [
         ("fp32", "torch"),
         ("offload", "torch"),
+        ("keep_gathered", "torch"),
         ("idle", "torch_idle"),
         ("frozen_ac", "torch_frozen"),
         ("lora", "torch_lora"),
