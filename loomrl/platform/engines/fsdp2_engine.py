@@ -230,7 +230,7 @@ class FSDP2TrainEngine:
         if self.cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         else:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         maybe_die("optimizer")
         self.optimizer.step()
