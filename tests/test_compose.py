@@ -31,6 +31,20 @@ CASES = {
         "training.deepspeed.zero_stage=2",
         "algorithm.kl_coef=0.01",
     ],
+    "colocated-fsdp2-2ranks-vllm": [
+        "training.engine=fsdp2",
+        "training.nproc=2",
+        "rollout.engine=vllm",
+        "model.num_heads=2",
+        "algorithm.kl_coef=0.01",
+    ],
+    "disaggregated-fsdp2-2ranks": [
+        "pipeline.mode=disaggregated",
+        "pipeline.rollout_workers=1",
+        "training.engine=fsdp2",
+        "training.nproc=2",
+        "training.activation_checkpointing=true",
+    ],
     "colocated-megatron-tp2-vllm": [
         "training.engine=megatron",
         "training.nproc=2",

@@ -252,7 +252,7 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
         return self.sft_step(step) if self.sft else self.rl_step(step)
 
     def sync_policy(self) -> None:
-        """DeepSpeed / Megatron train their own copy: its full HF-layout weights -> the policy
+        """DeepSpeed / Megatron / FSDP2 train their own copy: its full HF-layout weights -> the policy
         the rollouts use (collective on every trainer rank)."""
         if self.engine.model is not self.model:
             load_exported(self.model, self.engine.export_weights())

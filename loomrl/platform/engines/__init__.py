@@ -1,10 +1,16 @@
-"""Training engines behind one seam (see base.py): torch (default), DeepSpeed ZeRO, Megatron-core.
+"""Training engines behind one seam (see base.py): torch (default), DeepSpeed ZeRO, Megatron-core,
+PyTorch FSDP2.
 Importing the package registers them (`TRAINING_ENGINES`); their heavy libraries load when an
 engine is built."""
 
 from __future__ import annotations
 
-from loomrl.platform.engines import deepspeed_engine, megatron_engine, torch_engine  # noqa: F401 (registration)
+from loomrl.platform.engines import (  # noqa: F401 (registration)
+    deepspeed_engine,
+    fsdp2_engine,
+    megatron_engine,
+    torch_engine,
+)
 from loomrl.platform.engines.base import TRAINING_ENGINES
 
 

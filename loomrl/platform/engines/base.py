@@ -1,6 +1,6 @@
 """The training-engine seam and the few helpers the multi-process engines share.
 
-Every engine (torch, deepspeed, megatron) has the same surface, used by the trainer (trainer.py):
+Every engine (torch, deepspeed, megatron, fsdp2) has the same surface, used by the trainer (trainer.py):
 
     engine.model                                   the module the loss function runs on
     engine.train_mini_batch(mbs, loss_fn, hook)    forward/backward every micro-batch, one

@@ -1,5 +1,5 @@
 """Settings of the training engines (`training`): the optimiser, precision, placement, DeepSpeed,
-Megatron, freezing and the supervised warm-up."""
+Megatron, FSDP2, freezing and the supervised warm-up."""
 
 from __future__ import annotations
 
@@ -52,6 +52,25 @@ class MegatronConfig:
     data-parallel replicas), num_heads, num_kv_heads and intermediate_size."""
 
 
+@dataclass
+class FSDP2Config:
+    """PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`; used when `training.engine` is `fsdp2`)."""
+
+    mixed_precision: bool = False
+    """BF16 parameters in compute: each FSDP unit all-gathers BF16 copies of its FP32 master
+    shards and reduce-scatters its gradients in FP32 (MixedPrecisionPolicy); needs
+    training.precision bf16. False with precision bf16: autocast over FP32 weights, as the
+    torch engine does."""
+    cpu_offload: bool = False
+    """Keep the parameter shards, their gradients and the optimizer state in host memory
+    (CPUOffloadPolicy); each unit is copied to the device for its forward and backward, and
+    AdamW steps on the CPU."""
+    reshard_after_forward: bool = True
+    """Free each decoder layer's gathered weights after its forward and gather them again in
+    the backward (ZeRO-3 like); false keeps them until the backward (ZeRO-2 like: fewer
+    all-gathers, more memory)."""
+
+
 FreezePart = Literal["vision", "merger", "audio", "audio_projector", "language_model", "embeddings"]
 """A part of the policy that `training.freeze` can name."""
 FREEZE_PARTS: tuple[str, ...] = typing.get_args(FreezePart)
@@ -67,7 +86,8 @@ class TrainingConfig:
     engine: str = choice(TRAINING_ENGINES, "torch")
     """Training engine. `torch`: single process, the embedded default. `deepspeed`: ZeRO
     (see `deepspeed`). `megatron`: megatron-core tensor + data parallel language model
-    (see `megatron`). Rollouts run on a full HF-layout copy synced after every step."""
+    (see `megatron`). `fsdp2`: PyTorch FSDP2, every decoder layer its own sharded unit (see
+    `fsdp2`). Rollouts run on a full HF-layout copy synced after every step."""
     steps: int = ranged(100, ge=0)
     """RL steps (one rollout batch and one or more optimizer steps each)."""
     prompts_per_step: int = ranged(8, ge=1)
@@ -113,7 +133,8 @@ class TrainingConfig:
     samples in FP32: expect a larger `logp_mismatch`, see docs/engines.md). Under autocast the
     `model.rounding` regions round to BF16 where their input is a BF16 matmul output (see
     docs/rounding.md). Engine deepspeed: BF16 is `training.deepspeed.bf16`, and `bf16` here needs
-    it true; engine megatron trains FP32 only."""
+    it true; engine megatron trains FP32 only; engine fsdp2: the same autocast over its FP32 shards,
+    and with `training.fsdp2.mixed_precision` BF16 gathered weights."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm-up stage."""
     nproc: int = ranged(1, ge=1)
@@ -123,6 +144,8 @@ class TrainingConfig:
     """DeepSpeed settings."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Megatron-core settings."""
+    fsdp2: FSDP2Config = field(default_factory=FSDP2Config)
+    """FSDP2 settings."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward instead of keeping them: each decoder layer, and
     each block of a vision / audio tower that trains, keeps only its input during the forward
