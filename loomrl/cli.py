@@ -378,6 +378,18 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(GROUPS[argv[0]][0]).main(argv[1:])
+    ap = build_parser()
+    # Overrides may come after options (`run R.yaml --out D a.b=1`): collect them.
+    args, extra = ap.parse_known_args(argv)
+    if extra:
+        if args.command not in ("run", "plan") or any(x.startswith("-") or "=" not in x for x in extra):
+            ap.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = args.overrides + extra
+    return args.fn(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level commands (the groups in GROUPS parse their own arguments)."""
     ap = argparse.ArgumentParser(
         prog="loomrl",
         description="Multimodal RL training platform.",
@@ -445,13 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=positive_int, metavar="N", help="machines (with --gpus-per-node): training.nproc")
     p.add_argument("--gpus-per-node", type=positive_int, metavar="G", help="GPUs per machine, one rank each")
     p.set_defaults(fn=cmd_plan)
-    # Overrides may come after options (`run R.yaml --out D a.b=1`): collect them.
-    args, extra = ap.parse_known_args(argv)
-    if extra:
-        if args.command not in ("run", "plan") or any(x.startswith("-") or "=" not in x for x in extra):
-            ap.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = args.overrides + extra
-    return args.fn(args)
+    return ap
 
 
 if __name__ == "__main__":
