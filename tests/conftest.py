@@ -75,6 +75,7 @@ SLOW_FILES = {
     "test_megatron_engine.py",
     "test_memory_tools.py",
     "test_docs_run.py",
+    "test_dpo_run.py",
     "test_own_data.py",
     "test_own_task.py",
     "test_own_task_errors.py",

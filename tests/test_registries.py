@@ -60,10 +60,10 @@ def test_the_trainer_takes_the_registered_estimator_by_name():
 def test_recipes_name_what_is_registered():
     assert {"torch", "deepspeed", "megatron"} <= set(TRAINING_ENGINES.names())
     assert {"torch", "vllm"} <= set(ROLLOUT_ENGINES.names())
-    assert {"grpo", "ppo", "sft", "rloo"} <= set(ALGORITHMS.names())
+    assert {"grpo", "ppo", "sft", "rloo", "dpo"} <= set(ALGORITHMS.names())
     with pytest.raises(
         RecipeError,
-        match=r"algorithm.name: 'gpt' is not allowed; allowed values: 'grpo', 'gspo', 'ppo', "
+        match=r"algorithm.name: 'gpt' is not allowed; allowed values: 'dpo', 'grpo', 'gspo', 'ppo', "
         r"'reinforce\+\+', 'reinforce\+\+-baseline', 'rloo', 'sft'",
     ):
         R.load_recipe(DEMO, ["algorithm.name=gpt"])

@@ -258,7 +258,7 @@ def rollout_term(c: Counts, recipe: R.Recipe, *, world: int, seq_len: int) -> Me
 
 def kept_copies(c: Counts, recipe: R.Recipe, *, policy_copy: bool) -> dict[str, MemoryTerm]:
     """The float32 policies kept beside the engine's: the trainer's copy for the rollouts (policy_copy:
-    the engine trains its own, as DeepSpeed and Megatron do), the frozen reference of a KL penalty."""
+    the engine trains its own, as DeepSpeed and Megatron do), the frozen reference of a KL penalty or of DPO."""
     out = {}
     if policy_copy:
         out["policy_copy"] = MemoryTerm(
@@ -266,10 +266,10 @@ def kept_copies(c: Counts, recipe: R.Recipe, *, policy_copy: bool) -> dict[str, 
             f"{c.total:,} params x 4 B: the trainer's float32 policy the rollouts use "
             f"(reloaded from the engine after each step)",
         )
-    if recipe.algorithm.kl_coef > 0 and not ALGORITHMS.get(recipe.algorithm.name).trait("supervised"):
-        out["reference"] = MemoryTerm(
-            c.total * 4, f"{c.total:,} params x 4 B: the frozen reference policy (algorithm.kl_coef > 0)"
-        )
+    entry = ALGORITHMS.get(recipe.algorithm.name)
+    if entry.trait("preference") or (recipe.algorithm.kl_coef > 0 and not entry.trait("supervised")):
+        why = f"algorithm.name={recipe.algorithm.name}" if entry.trait("preference") else "algorithm.kl_coef > 0"
+        out["reference"] = MemoryTerm(c.total * 4, f"{c.total:,} params x 4 B: the frozen reference policy ({why})")
     return out
 
 

@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=KEY",
-        help="read field NAME (id, prompt, answer, images, audio) from manifest key KEY only; "
+        help="read field NAME (id, prompt, answer, images, audio, chosen, rejected) from manifest key KEY only; "
         "repeatable (default keys: docs/shards.md)",
     )
     p.add_argument(

@@ -17,6 +17,9 @@ two of one field's keys in one line are a `bad-line`, naming both):
 - answer: `answer`; optional; a string, a number (stored as its string) or a
   non-empty list of strings (the first is the answer, the whole list goes to
   meta as `answers`; a list of 4 numbers is a box, stored as the string `[x1, y1, x2, y2]`).
+- chosen, rejected: `chosen`, `rejected`; optional: a preference pair (DPO,
+  `preference.py`): both non-empty strings that differ, else the line is a
+  `bad-pair`; a line with neither is an ordinary sample.
 - images: `images` or `image`; audio: `audio` or `audios`. Each a list of
   media or one (null: none). A medium is a path relative to the manifest's
   folder (or absolute), a `file://` URL (its path, under the same rules), a
@@ -71,6 +74,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from loomrl.datasets.inline import Inline, MediaRef, resolve
+from loomrl.datasets.preference import BAD_PAIR, PAIR_FIELDS, line_pair
 from loomrl.encoders.base import modalities
 
 MARKERS = {m.marker: m.name for m in modalities()}  # "<image>" -> "image", "<audio>" -> "audio"
@@ -85,6 +89,7 @@ FIELD_KEYS: dict[str, tuple[str, ...]] = {
     "answer": ("answer",),
     # each modality's list: "images" from `images` or `image`, "audio" from `audio` or `audios`
     **{m.manifest_keys[0]: m.manifest_keys for m in modalities()},
+    **{name: (name,) for name in PAIR_FIELDS},  # a preference pair (DPO): `chosen`, `rejected`
 }
 
 
@@ -152,6 +157,7 @@ class Entry:
     media: list[MediaItem]
     where: str  # manifest.jsonl:LINE, data.parquet:row 7, ...
     markers_placed: bool = False  # the text had no marker: they were put before the (first user turn's) text
+    pair: Optional[tuple[str, str]] = None  # (chosen, rejected): a preference pair (DPO)
 
 
 @dataclass
@@ -217,6 +223,7 @@ class Fields:
     ]  # kind -> paths as given (relative to the source's folder, or absolute), or inline
     meta: dict
     history: list[dict] = field(default_factory=list)  # earlier turns {"role", "content"} of a multi-turn record
+    pair: Optional[tuple[str, str]] = None  # (chosen, rejected) of a preference pair
 
 
 @dataclass
@@ -307,6 +314,7 @@ def parse_fields(
         media_in_marker_order(fields, markers, base),
         where,
         markers_placed=markers.placed,
+        pair=fields.pair,
     )
 
 
@@ -340,8 +348,9 @@ def map_fields(obj: dict, options: ReadOptions, default_id: Optional[str] = None
         raise _bad(f"the prompt, field {picked.named('prompt')}, {what}", sample_id)
     answer = _answer(picked, sample_id)
     media = {m.name: _media(picked, m.manifest_keys[0], sample_id) for m in modalities()}
+    pair = _pair(picked, sample_id)
     meta = _meta(obj, answer, picked, sample_id)
-    return Fields(sample_id, prompt, answer.text, media, meta)
+    return Fields(sample_id, prompt, answer.text, media, meta, pair=pair)
 
 
 def pick_fields(obj: dict, options: ReadOptions, default_id: Optional[str] = None) -> Picked:
@@ -397,6 +406,19 @@ def _answer(picked: Picked, sample_id: str) -> Answer:
             f"field {picked.named('answer')} must be a string, a number or a list of strings when given", sample_id
         )
     return Answer(answer)
+
+
+def _pair(picked: Picked, sample_id: str) -> Optional[tuple[str, str]]:
+    """(chosen, rejected) of a line holding a preference pair, None of a line with neither; a
+    `bad-pair` LineError for half a pair, an empty or non-string answer, or two equal answers."""
+    chosen, rejected = picked.get("chosen"), picked.get("rejected")
+    problem = line_pair(chosen, rejected)
+    if problem is not None:
+        raise LineError(BAD_PAIR, problem, sample_id)
+    if chosen is None:
+        return None
+    assert isinstance(chosen, str) and isinstance(rejected, str)
+    return chosen, rejected
 
 
 def _media(picked: Picked, name: str, sample_id: str) -> list[Union[str, Inline]]:

@@ -197,7 +197,7 @@ def read_medium(item: MediaItem, limits: Limits) -> bytes:
 
 
 def prepare_entry(entry: Entry, limits: Limits) -> Union[dict, Rejection]:
-    """A writable sample {id, prompt, answer, meta, media: [(kind, member, bytes)]}, or the
+    """A writable sample {id, prompt, answer, chosen, rejected, meta, media: [(kind, member, bytes)]}, or the
     Rejection of its first bad medium (naming its file, or the field of an inline one)."""
     media = []
     counts: Counter = Counter()
@@ -222,6 +222,8 @@ def prepare_entry(entry: Entry, limits: Limits) -> Union[dict, Rejection]:
     sample = {"id": entry.id, "prompt": entry.prompt, "meta": entry.meta, "media": media}
     if entry.answer is not None:
         sample["answer"] = entry.answer
+    if entry.pair is not None:
+        sample["chosen"], sample["rejected"] = entry.pair
     return sample
 
 

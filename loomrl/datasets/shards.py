@@ -1,7 +1,7 @@
 """Writing and reading loomrl prompt shards: plain webdataset tars.
 
-A sample `KEY` is stored as `KEY.json` (id, prompt, answer, meta, and a media
-list of {kind, member, sha256}) plus one member per medium (`KEY.img0.png`,
+A sample `KEY` is stored as `KEY.json` (id, prompt, answer, a preference pair's chosen and
+rejected, meta, and a media list of {kind, member, sha256}) plus one member per medium (`KEY.img0.png`,
 `KEY.aud0.wav`, ...). The sha256 is of the stored bytes: the same content hash
 the encoding cache keys on. Any tar tool and the stock `webdataset` pipeline
 read these shards; loomrl's own reader below adds the guards a training job
@@ -42,6 +42,8 @@ MAX_HEADER_BYTES = 1 << 20
 damaged size field there would otherwise ask for gigabytes, or for the whole rest."""
 
 KINDS = tuple(m.name for m in modalities())  # "image", "audio"
+HEADER_FIELDS = ("id", "prompt", "answer", "chosen", "rejected", "meta")
+"""A sample header's fields besides its media list (`chosen`, `rejected`: a preference pair)."""
 _SAFE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
 _SAFE_MEMBER = re.compile(r"[a-z0-9][a-z0-9_]*\.[a-z0-9]+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -97,7 +99,7 @@ def _sample_members(s: dict) -> list[tuple[str, bytes]]:
         members.append((f"{key}.{member}", data))
     if len({m for m, _ in members}) != len(members):
         raise ValueError(f"sample {sample_id}: two media share a member name")
-    header = {k: s[k] for k in ("id", "prompt", "answer", "meta") if k in s}
+    header = {k: s[k] for k in HEADER_FIELDS if k in s}
     return [(f"{key}.json", json.dumps({**header, "media": media}).encode())] + members
 
 

@@ -6,7 +6,8 @@ A sample that cannot be read (damaged in the shard: see `ShardStream`), whose me
 cannot be decoded (a clip over the length limit included), or whose prompt markers
 do not match its media, is skipped, named in a warning (the `loomrl` logger) and
 counted (`skipped`, kept in the checkpointed state), never silently lost; the
-position moves past it, so a resumed run does not meet it again. A whole epoch
+position moves past it, so a resumed run does not meet it again. A run that trains on
+preference pairs (`require_pair`) skips a sample without one the same way (`bad-pair`). A whole epoch
 without one usable sample is an error, not an endless loop.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from loomrl.config import RecipeError
+from loomrl.datasets.preference import BAD_PAIR, PAIR_FIELDS, pair_problem
 from loomrl.datasets.stream import ShardStream
 from loomrl.encoders.base import load_medium, modalities
 from loomrl.encoders.media import Medium, data_error
@@ -62,7 +64,7 @@ def reply_mask(model, tokenizer, pieces: list[tuple[str, bool]], media: list[Med
 
 @dataclass
 class PromptSample:
-    record: dict  # id, prompt, answer, meta (what rewards see)
+    record: dict  # id, prompt, answer, meta (what rewards see); chosen, rejected of a preference pair
     ids: list[int]  # prompt token ids, markers expanded
     media: list[Medium]
     reply_mask: Optional[list[int]] = None  # multi-turn: 1 on the ids of the earlier assistant replies
@@ -91,6 +93,7 @@ class PromptSource:
         self.stream = stream
         self.render, self.pieces = render, pieces
         self.require_answer = False  # supervised use: a sample without an answer is skipped (and counted)
+        self.require_pair = False  # preference use (DPO): a sample without a good pair is skipped (`bad-pair`)
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.skipped: list[tuple[str, str]] = []
         self._warned: set[tuple[str, str]] = set()
@@ -138,7 +141,14 @@ class PromptSource:
         if self.require_answer and not rec.get("answer"):
             self._skip(rec.get("source", rec.get("id", "?")), "the sample has no answer to learn (supervised training)")
             return None
-        record = {k: rec[k] for k in ("id", "prompt", "answer", "meta") if k in rec}
+        if self.require_pair:
+            problem = pair_problem(rec.get("chosen"), rec.get("rejected"))
+            if problem is not None:
+                self._skip(rec.get("source", rec.get("id", "?")), f"{BAD_PAIR}: {problem}")
+                return None
+        record = {k: rec[k] for k in ("id", "prompt", "answer", "meta", *PAIR_FIELDS) if k in rec}
+        if self.require_pair and not record.get("answer"):  # what rewards read (validation): the chosen answer
+            record["answer"] = record["chosen"]
         return PromptSample(record, ids, media, replies)
 
     def next(self, k: int) -> list[PromptSample]:

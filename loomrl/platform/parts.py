@@ -14,11 +14,13 @@ import torch
 
 from loomrl.datasets.cache import cached_shards
 from loomrl.datasets.demo import write_demo_shards
+from loomrl.datasets.preference import BAD_PAIR, pair_census
 from loomrl.datasets.shards import ShardError, media_census
 from loomrl.datasets.source import PromptSample, PromptSource
 from loomrl.datasets.stream import ShardStream
 from loomrl.encoders.hf_checkpoint import read_config
 from loomrl.platform import recipe as R
+from loomrl.platform.algorithms import ALGORITHMS
 from loomrl.platform.backbone.chat import ChatFormat
 from loomrl.platform.backbone.hf_weights import check_checkpoint
 from loomrl.platform.backbone.tokenizer import load_tokenizer, media_layout, readable_media
@@ -95,19 +97,50 @@ def check_init_from(recipe: R.Recipe) -> None:
             raise R.RecipeError(f"model.init_from: {e}") from None
 
 
+def check_pairs(recipe: R.Recipe) -> list[str]:
+    """A preference algorithm's (DPO's) data: the shards of data.shards and validation.shards that are
+    on this machine must hold preference pairs (`chosen` / `rejected`), counted from their headers; a
+    RecipeError naming the key and the first sample when none does, a note when some do not (a run
+    skips them as `bad-pair`). Nothing for other algorithms."""
+    if not ALGORITHMS.get(recipe.algorithm.name).trait("preference"):
+        return []
+    notes = []
+    for key, pattern in (("data.shards", recipe.data.shards), ("validation.shards", recipe.validation.shards)):
+        files = R.expand_pattern(pattern) if pattern else []
+        if not files:
+            continue
+        try:
+            census = pair_census(files)
+        except (ShardError, OSError) as e:
+            raise R.RecipeError(f"{key}: {e}") from None
+        if census.pairs == 0:
+            raise R.RecipeError(
+                f"{key}: none of the {census.samples} samples of {len(files)} shard(s) ({files[0]}, ...) holds a "
+                f"preference pair, which algorithm.name={recipe.algorithm.name} trains on (first: {census.first_bad}); "
+                f"make the shards from a manifest with 'chosen' and 'rejected' answers (docs/shards.md)"
+            )
+        if census.pairs < census.samples:
+            notes.append(
+                f"{key}: {census.samples - census.pairs} of {census.samples} samples hold no preference pair and "
+                f"will be skipped ({BAD_PAIR}; first: {census.first_bad})"
+            )
+    return notes
+
+
 def check_text_parts(recipe: R.Recipe) -> list[str]:
-    """`text_parts` and `check_media` where their files are on this machine (a recipe for a
-    cluster: nothing); the notes `check_media` makes. model.init_from's folder, when on this
+    """`check_pairs`, and `text_parts` and `check_media` where their files are on this machine (a
+    recipe for a cluster: nothing); the notes they make. model.init_from's folder, when on this
     machine, is checked as a run checks it (`check_init_from`)."""
     m = recipe.model
+    notes = check_pairs(recipe)
     if m.init_from is not None and (Path(m.init_from) / "config.json").is_file():
         check_init_from(recipe)
     if (m.tokenizer == "demo" or Path(m.tokenizer).is_dir()) and (
         m.init_from is None or (Path(m.init_from) / "config.json").is_file()
     ):
         tokenizer, _ = text_parts(recipe)
-        return check_media(recipe, tokenizer)
-    return []
+        return notes + check_media(recipe, tokenizer)
+    return notes
 
 
 def check_media(recipe: R.Recipe, tokenizer) -> list[str]:

@@ -74,7 +74,7 @@ class SupervisedSteps:
                         raise Interrupted(step + 1, self.save_warmup(step + 1, engine, rng), "warm-up")
         finally:
             wlog.close()
-            self.prompts.require_answer = self.sft
+            self.prompts.require_answer = self.sft and not self.preference
 
     def sft_batch(self, samples: list, targets: list[str]) -> list[MicroBatch]:
         """Micro-batches teaching each sample's target text, ended by the stop token (the chat

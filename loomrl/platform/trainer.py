@@ -16,14 +16,16 @@ algorithm. It owns the run's state and hands work to its parts, with a fixed lif
                             SFT (`supervised.py`, `algorithm.name: sft`): samples with answers ->
                             one optimizer step on the answer tokens (the warm-up before RL runs
                             this code too)
+                            DPO (`dpo_steps.py`, `algorithm.name: dpo`): preference pairs -> the
+                            frozen reference's log-probs -> one optimizer step on the DPO loss
       save(s)               atomic checkpoint of every part's state
     trainer.close()       the source (rollout engine, workers), logs
 
 Where rollouts come from is the source's business (`trajectory/sources.py`): everything
 after admission is written once, in `rl_step.py`. Every phase of a step is timed the same
 way (`Phases`) and lands in the row as `<phase>_s`. The Trainer is assembled from mixins, one
-idea each: `SupervisedSteps` (supervised.py), `RLSteps` (rl_step.py), `Validation`
-(validation.py); the run's bookkeeping types are in run_state.py.
+idea each: `SupervisedSteps` (supervised.py), `PreferenceSteps` (dpo_steps.py), `RLSteps`
+(rl_step.py), `Validation` (validation.py); the run's bookkeeping types are in run_state.py.
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ from loomrl.platform.algorithms import ALGORITHMS
 from loomrl.platform.algorithms.critic import ValueHead, build_critic
 from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.checkpoint import blame, check_run_state, load_checkpoint, load_extra_model, save_checkpoint
+from loomrl.platform.dpo_steps import PreferenceSteps
 from loomrl.platform.engines import build_engine
 from loomrl.platform.engines.base import load_exported, world
 from loomrl.platform.engines.torch_engine import TorchTrainEngine
 from loomrl.platform.metrics import MetricsLog, read_metrics
-from loomrl.platform.parts import build_policy_parts, configure_torch, prompt_source, shard_files
+from loomrl.platform.parts import build_policy_parts, check_pairs, configure_torch, prompt_source, shard_files
 from loomrl.platform.rewards import RewardError
 from loomrl.platform.rewards.remote import RewardInterrupted
 from loomrl.platform.rewards.sources import build_sources
@@ -78,7 +81,7 @@ from loomrl.platform.validation import Validation
 log = logging.getLogger("loomrl")
 
 
-class Trainer(SupervisedSteps, RLSteps, Validation):
+class Trainer(SupervisedSteps, PreferenceSteps, RLSteps, Validation):
     """One run of a recipe into `out` (see the module docstring for the lifecycle).
 
     resume_from: a checkpoint folder to continue from exactly. max_steps: stop (with a
@@ -108,7 +111,8 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
         self.trackers: Optional[Trackers] = None  # rank 0's wandb / MLflow runs (shared by the warm-up and RL logs)
         self.stop = StopRequest()  # SIGINT/SIGTERM: finish the step, checkpoint, stop
         self.algorithm = ALGORITHMS.get(recipe.algorithm.name)  # its traits: supervised, advantages
-        self.sft = bool(self.algorithm.trait("supervised"))
+        self.sft = bool(self.algorithm.trait("supervised"))  # no rollouts: SFT or DPO
+        self.preference = bool(self.algorithm.trait("preference"))  # DPO: pairs and a frozen reference
         self.val_samples: list = []
         self.validations: list[dict] = []  # {"step", "val_*"}: every validation of this run, in order
 
@@ -120,12 +124,15 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
         self.t0 = time.perf_counter()
         configure_torch(r.training)
         files = shard_files(r)
+        if self.preference:
+            check_pairs(r)  # shards without a single pair are refused before anything is built
         self.tokenizer, self.chat, self.model = build_policy_parts(r)
         model = self.model
         self.freeze_parts(model)
         model.set_activation_checkpointing(r.training.activation_checkpointing)
         self.prompts = prompt_source(r, files, model, self.tokenizer, self.chat)
-        self.prompts.require_answer = self.sft
+        self.prompts.require_answer = self.sft and not self.preference
+        self.prompts.require_pair = self.preference
         self.reward_fn = build_sources(r.algorithm, next(model.parameters()).device)
         self.val_samples = self.validation_split()
         self.describe(files)
@@ -148,7 +155,7 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
         if warmup_from is not None and warmup_from < r.training.warmup.steps:
             self.warmup(warmup_from, ckpt_state if self.resume_from is not None else None, engine_state)
 
-        if r.algorithm.kl_coef > 0 and not self.sft:
+        if (r.algorithm.kl_coef > 0 and not self.sft) or self.preference:  # DPO's reference: the policy now
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if self.algorithm.trait("advantages") == "critic":  # PPO: a value model
             self.build_value_model()
@@ -170,7 +177,7 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
         r, model = self.recipe, self.model
         n_params = sum(p.numel() for p in model.parameters())
         stages = (
-            f"{r.training.steps} SFT steps"
+            f"{r.training.steps} {r.algorithm.name.upper()} steps"
             if self.sft
             else f"{r.training.warmup.steps} warm-up + {r.training.steps} RL steps"
         )
@@ -248,7 +255,10 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
     # ------------------------------------------------------------------ one step
 
     def step(self, step: int) -> dict:
-        """One step of the run: supervised (`sft_step`, supervised.py) or RL (`rl_step`, rl_step.py)."""
+        """One step of the run: DPO (`dpo_step`, dpo_steps.py), supervised (`sft_step`, supervised.py)
+        or RL (`rl_step`, rl_step.py)."""
+        if self.preference:
+            return self.dpo_step(step)
         return self.sft_step(step) if self.sft else self.rl_step(step)
 
     def sync_policy(self) -> None:
@@ -481,7 +491,13 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
             f"{r.training.engine} engine x {self.world}) done in {wall:.0f}s =="
         ]
         mean = lambda k: sum(x.get(k, 0.0) for x in rows) / len(rows)  # noqa: E731
-        if rows and self.sft:
+        if rows and self.preference:
+            lines.append(
+                f"DPO steps       {len(rows)}  ({mean('step_s'):.2f}s/step), loss first {rows[0]['loss']:.4f}  "
+                f"last {rows[-1]['loss']:.4f}, margin last {rows[-1]['dpo_margin']:+.4f}, accuracy last "
+                f"{rows[-1]['dpo_accuracy']:.2f}"
+            )
+        elif rows and self.sft:
             lines.append(
                 f"SFT steps       {len(rows)}  ({mean('step_s'):.2f}s/step), loss first {rows[0]['loss']:.4f}  "
                 f"last {rows[-1]['loss']:.4f}, {mean('answer_tokens'):.0f} answer tokens/step"
@@ -510,6 +526,13 @@ class Trainer(SupervisedSteps, RLSteps, Validation):
                 + "  ".join(
                     f"step {self.validations[i]['step']}: {self.validations[i]['val_reward_mean']:.3f}" for i in shown
                 )
+            )
+        if self.validations and self.preference:
+            first, last = self.validations[0], self.validations[-1]
+            lines.append(
+                f"held-out pairs  margin step {first['step']}: {first['val_dpo_margin']:+.4f} -> step {last['step']}: "
+                f"{last['val_dpo_margin']:+.4f}, accuracy {first['val_dpo_accuracy']:.2f} -> "
+                f"{last['val_dpo_accuracy']:.2f}, logp gap {first['val_logp_gap']:+.3f} -> {last['val_logp_gap']:+.3f}"
             )
         if goal_text:
             lines.append(goal_text)

@@ -1,6 +1,7 @@
 """Validation during a run, a part of the Trainer (trainer.py): the held-out split
 (`validation.shards`, checked against the rewards before any training) and its completions by the
-current policy, scored by the run's rewards (`val_*` metrics). Mixed into `Trainer`."""
+current policy, scored by the run's rewards (`val_*` metrics); a DPO run's split is held-out pairs, and
+adds their margin (`PreferenceSteps.pair_figures`). Mixed into `Trainer`."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ class Validation:
         if not files:
             raise R.RecipeError(f"validation.shards: no files match {r.validation.shards!r}")
         source = prompt_source(r, files, self.model, self.tokenizer, self.chat, one_pass=True)
+        source.require_pair = self.preference  # DPO: held-out pairs
         samples = source.take(r.validation.samples)
         if not samples:
             raise R.RecipeError(
@@ -104,6 +106,8 @@ class Validation:
             out.update({f"val_reward_{name}_mean": sum(xs) / n for name, xs in by_source.items()})
         if v.samples_per_prompt > 1:
             out.update(pass_at(owners, totals, v.samples_per_prompt, v.pass_threshold))
+        if self.preference:  # DPO: the held-out pairs' margin under the policy and the reference
+            out.update(self.pair_figures())
         out["val_s"] = time.perf_counter() - t0
         self.validations.append({"step": step, **out})
         log.info(
@@ -114,4 +118,12 @@ class Validation:
             out["val_response_len"],
             out["val_s"],
         )
+        if self.preference:
+            log.info(
+                "[val] step %d: held-out pairs: DPO margin %+.4f, accuracy %.3f, logp gap %+.3f",
+                step,
+                out["val_dpo_margin"],
+                out["val_dpo_accuracy"],
+                out["val_logp_gap"],
+            )
         return out

@@ -8,9 +8,11 @@
                    model: fn(algorithm_config, rewards, index, mbs, kl_in_reward) -> stats (PPO);
                    None: no rollouts, no advantages (SFT)
     min_samples    samples per prompt it needs (`rollout.n`), default 1
-    supervised     trains on the samples' answers, no rollouts (SFT)
+    supervised     trains on the samples' answers, no rollouts (SFT, DPO)
+    preference     trains on preference pairs (`chosen` / `rejected`) against a frozen reference;
+                   the object builds the micro-batch loss from `algorithm.dpo` (DPO)
 
-Every algorithm trains with the same clipped policy loss (`grpo.policy_loss`); what differs is
+Every RL algorithm trains with the same clipped policy loss (`grpo.policy_loss`); what differs is
 the advantage. A new estimator is one file that registers one function (docs/extending.md).
 """
 

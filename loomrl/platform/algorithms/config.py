@@ -1,4 +1,4 @@
-"""Settings of the RL algorithm (`algorithm`): GRPO / PPO / SFT, clipping, KL, importance correction,
+"""Settings of the RL algorithm (`algorithm`): GRPO / PPO / SFT / DPO, clipping, KL, importance correction,
 the reward sources; `validate_algorithm` checks the reward sources."""
 
 from __future__ import annotations
@@ -83,6 +83,22 @@ class DynamicSamplingConfig:
 
 
 @dataclass
+class DPOConfig:
+    """DPO's objective on preference pairs (used when algorithm.name is `dpo`; algorithms/dpo.py)."""
+
+    beta: float = ranged(0.1, gt=0)
+    """Strength of the implicit KL to the frozen reference: the loss reads beta x the log-ratio
+    margin h = (log pi(chosen) - log pi(rejected)) - (log ref(chosen) - log ref(rejected)), summed
+    log-probs of the answer tokens; IPO's target margin is 1 / (2 beta)."""
+    label_smoothing: float = ranged(0.0, ge=0, lt=0.5)
+    """Conservative DPO (cDPO): the share eps of pairs taken as mislabelled, loss -(1 - eps) log
+    sigmoid(beta h) - eps log sigmoid(-beta h) (`sigmoid` only)."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """`sigmoid`: -log sigmoid(beta h) (Rafailov et al. 2023); `ipo`: (h - 1 / (2 beta))^2 (Azar et al.
+    2023), on the summed log-probs."""
+
+
+@dataclass
 class AlgorithmConfig:
     """The RL objective."""
 
@@ -97,7 +113,10 @@ class AlgorithmConfig:
     each group's mean subtracted first.
     `sft`: supervised fine-tuning on the samples' answers (loss on answer tokens only, the chat
     template's end-of-turn included), `training.prompts_per_step` samples per step; no rollouts
-    (the reward is used by validation only)."""
+    (the reward is used by validation only).
+    `dpo`: direct preference optimisation on pairs of answers (`chosen` / `rejected`) against a
+    frozen reference (the policy at the start), `training.prompts_per_step` pairs per step and
+    `training.micro_batch_size` pairs per forward; no rollouts; see `dpo` (Rafailov et al. 2023)."""
     reward: str = "slot_match"
     """Reward callable: a registry name (see loomrl.platform.rewards) or
     `module:function`. Called as fn(completion: str, sample: dict) -> float."""
@@ -135,12 +154,19 @@ class AlgorithmConfig:
     """Dynamic sampling (DAPO): zero-variance groups dropped, more prompts drawn."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO's critic and GAE."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """DPO's beta, label smoothing and loss."""
 
 
 def validate_algorithm(a: AlgorithmConfig) -> None:
-    """Checks of the reward sources (each field's range, the importance band's included, is checked
-    at load)."""
+    """Checks of the reward sources and of DPO's loss settings (each field's range, the importance
+    band's included, is checked at load)."""
 
+    if a.name == "dpo" and a.dpo.loss == "ipo" and a.dpo.label_smoothing:
+        raise RecipeError(
+            f"algorithm.dpo.label_smoothing: {a.dpo.label_smoothing} smooths the sigmoid loss; "
+            "algorithm.dpo.loss=ipo has no labels to smooth (set it to 0, or use loss sigmoid)"
+        )
     names = set()
     for i, r in enumerate(a.rewards):
         key = f"algorithm.rewards[{i}]"
