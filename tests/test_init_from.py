@@ -10,7 +10,11 @@ from loomrl.platform.backbone.hf_io import export_policy
 from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.recipe import ModelConfig
 
-REAL_JOBS = ["recipes/qwen2.5-vl-3b-grpo-zero3.yaml", "recipes/qwen2.5-vl-3b-grpo-megatron-tp2.yaml"]
+REAL_JOBS = [
+    "recipes/qwen2.5-vl-3b-grpo-zero3.yaml",
+    "recipes/qwen2.5-vl-3b-grpo-megatron-tp2.yaml",
+    "recipes/qwen2.5-vl-7b-grpo-fsdp2.yaml",
+]
 
 
 def test_policy_starts_from_an_exported_checkpoint(tmp_path, tokenizer):

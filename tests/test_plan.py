@@ -129,6 +129,24 @@ def test_nodes_times_gpus_per_node_is_the_world(capsys, hf_counts):
     assert "--nodes and --gpus-per-node go together" in capsys.readouterr().err
 
 
+FSDP2_7B = str(ROOT / "recipes/qwen2.5-vl-7b-grpo-fsdp2.yaml")
+
+
+def test_a_7b_class_config_fits_8x80_gib_with_fsdp2_and_colocated_vllm(capsys):
+    """The shipped Qwen2.5-VL-7B config: transformers' count on the meta device (8.29B, as published), and
+    the FSDP2 + colocated vLLM recipe fits one 8x80 GiB node at its micro-batch of 1; at 4 it does not
+    (the float32 policy copy the rollouts read is the largest term)."""
+    config = transformers.Qwen2_5_VLConfig.from_pretrained(ROOT / "recipes/models/Qwen2.5-VL-7B-Instruct")
+    with torch.device("meta"):
+        total = sum(p.numel() for p in transformers.Qwen2_5_VLForConditionalGeneration(config).parameters())
+    assert total == 8_292_166_656
+    data, out = _plan(capsys, FSDP2_7B, code=0)
+    assert data["params_total"] == total and data["engine"] == "fsdp2" and data["ranks"]["world"] == 8
+    assert data["per_rank_bytes"]["optimizer"] == 8 * total / 8  # two fp32 moments, sharded 8 ways
+    data, _ = _plan(capsys, FSDP2_7B, "training.micro_batch_size=4", code=3)
+    assert max(data["per_rank_bytes"].items(), key=lambda kv: kv[1] if kv[0] != "total" else 0)[0] == "policy_copy"
+
+
 @pytest.mark.parametrize("gib, code", [(1, 3), (100000, 0)])
 def test_gpu_memory_decides_whether_it_fits(capsys, gib, code):
     data, out = _plan(capsys, ZERO3, *STORED, "--gpu-memory", str(gib), code=code)
