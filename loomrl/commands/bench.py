@@ -15,6 +15,7 @@ BENCHES = {
     "rollout": "loomrl.commands.bench_rollout",
     "shards": "loomrl.commands.bench_shards",
     "staleness": "loomrl.commands.bench_staleness",
+    "sync": "loomrl.commands.bench_sync",
 }
 
 

@@ -202,10 +202,24 @@ def rank_state(state: dict, what: str) -> dict:
 
 
 def load_exported(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy an engine's exported weights into the full policy (the rollout copy); every
-    parameter must be covered (a tied lm_head may come by name or not at all)."""
-    state = dict(weights)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"engine weight export: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    """Copy an engine's exported weights into the full policy (the rollout copy), one tensor at a
+    time as the engine yields them, so the sync holds one exported tensor beside the policy, never a
+    second copy of the model (`loomrl bench sync` measures it). Every parameter and buffer must be
+    covered (a tied lm_head may come by name or not at all); an unknown name or another shape is a
+    ValueError."""
+    targets = dict(model.state_dict(keep_vars=True))  # the policy's own tensors, by name
+    seen: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in weights:
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"engine weight export: unexpected {name!r}")
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"engine weight export: {name} has shape {tuple(tensor.shape)}, the policy {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            seen.add(name)
+    missing = [k for k in targets if k not in seen and not k.endswith("lm_head.weight")]
+    if missing:
+        raise ValueError(f"engine weight export: missing {missing[:5]}")

@@ -208,15 +208,16 @@ class DeepSpeedTrainEngine:
         return totals
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The module's full tensors as fp32 under the policy's names (ZeRO-3: gathered; collective).
+        """The module's full tensors as fp32 under the policy's names, one at a time (ZeRO-3: gathered
+        for the whole iteration; collective: every rank must consume it all).
         Under bf16 these are the BF16 module weights upcast, not the fp32 master copy (that one
         is in the optimizer's partitions and in state_dict())."""
         import deepspeed
 
         params = list(self.model.parameters()) if self.stage == 3 else []
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
-            state = {k: v.detach().to(torch.float32).clone() for k, v in self.model.state_dict().items()}
-        yield from state.items()
+            for name, t in self.model.state_dict().items():  # one at a time: the consumer copies it
+                yield name, t.detach().to(torch.float32)
 
     def _partitions(self) -> list[torch.Tensor]:
         """This rank's fp32 master partitions (ZeRO 1/2: flat per group; ZeRO-3: flat per group)."""
