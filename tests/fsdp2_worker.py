@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -67,18 +68,17 @@ def run(name, recipe, policy, batches, loss_fn, out, reference=None, **settings)
 
 
 def resume(recipe, policy, batches, loss_fn, out, path) -> None:
-    """2 steps, state saved (rank 0, as a checkpoint does), a fresh policy from the exported
-    weights and a fresh engine with the state loaded, 2 more steps."""
+    """2 steps, the optimizer state saved sharded (as a checkpoint does), a fresh policy from the
+    exported weights and a fresh engine with the state loaded, 2 more steps."""
     first = fsdp2_engine.FSDP2TrainEngine(copy.deepcopy(policy), recipe.training)
     part = train(first, batches[:STOP], loss_fn)
-    state, weights = first.state_dict(), dict(first.export_weights())
-    if dist.get_rank() == 0:
-        torch.save(state, path)
-    dist.barrier()
+    first.save_sharded(path)  # every rank its own shards
+    weights = dict(first.export_weights())
+    out["saved_files"] = sorted(f.name for f in path.iterdir())
     resumed = copy.deepcopy(policy)
     resumed.load_state_dict(weights, strict=False)
     second = fsdp2_engine.FSDP2TrainEngine(resumed, recipe.training)
-    second.load_state_dict(torch.load(path, weights_only=True))
+    second.load_sharded(path)
     out["resumed"] = part + train(second, batches[STOP:], loss_fn)
     out["resumed_weights"] = dict(second.export_weights())
 
@@ -146,7 +146,7 @@ def main():
     run("bf16_mixed", recipe, policy, batches, loss_fn, out, ref_bf16, precision="bf16", mixed_precision=True)
     run("bf16_autocast", recipe, policy, batches, loss_fn, out, ref_bf16, precision="bf16")
 
-    resume(recipe, policy, batches, loss_fn, out, f"{out_path}.pt")
+    resume(recipe, policy, batches, loss_fn, out, Path(f"{out_path}.engine"))
     out["resumed_weights_maxdiff"] = maxdiff(out.pop("resumed_weights"), fp32)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:

@@ -82,6 +82,26 @@ def test_bf16_against_the_torch_engines_bf16(results):
 def test_resume_is_exact(results):
     assert results["resumed"] == results["fp32"]
     assert results["resumed_weights_maxdiff"] == 0.0
+    # sharded: each rank wrote its own file of the optimizer state (torch.distributed.checkpoint)
+    assert results["saved_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_a_crafted_sharded_index_is_refused_unread(tmp_path):
+    import pickle
+
+    from loomrl.platform.checkpoint import sharded_shapes
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Boom()))
+    with pytest.raises(ValueError, match="not a readable sharded-checkpoint index.*system"):
+        sharded_shapes(tmp_path)
+    assert not (tmp_path / "pwned").exists()
+    (tmp_path / ".metadata").write_bytes(b"\x80\x05garbage")
+    with pytest.raises(ValueError, match=r"\.metadata: not a readable"):
+        sharded_shapes(tmp_path)
 
 
 def test_recipe_checks_and_plan_rows():

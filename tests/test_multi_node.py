@@ -1,9 +1,9 @@
 """Jobs over several machines (`loomrl run --nnodes N --node-rank R --master-addr --master-port`):
 two node agents on 127.0.0.1 run the same job as one node with as many processes, bit for bit
-(timings aside), colocated data-parallel and disaggregated with the rollout worker on the second
-node; a job whose second node is lost (its agent's process group killed) resumes on both nodes
-and ends equal to the uninterrupted one. The CLI refuses what cannot be spread over the nodes, by
---dry-run too."""
+(timings aside): colocated data-parallel (DeepSpeed), FSDP2 sharded over the nodes, and
+disaggregated with the rollout worker on the second node; a job whose second node is lost (its
+agent's process group killed) resumes on both nodes and ends equal to the uninterrupted one. The
+CLI refuses what cannot be spread over the nodes, by --dry-run too."""
 
 import json
 import os
@@ -22,6 +22,7 @@ from loomrl.platform.engines.launch import Nodes, torchrun_command
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["training.steps=3", "training.prompts_per_step=2", "training.mini_batches=1", "checkpoint.every=1"]
 COLOCATED = ["training.engine=deepspeed", "training.nproc=2", *SMALL]
+FSDP2 = ["training.engine=fsdp2", "training.nproc=2", *SMALL]
 DISAGGREGATED = ["pipeline.mode=disaggregated", "pipeline.rollout_workers=1", *SMALL]
 
 
@@ -110,12 +111,14 @@ def test_what_cannot_spread_over_the_nodes_is_refused_by_a_dry_run(extra, option
 
 
 @pytest.mark.slow
-def test_colocated_data_parallel_over_two_nodes_equals_one_node_and_survives_a_lost_node(tmp_path, demo_shards):
-    """DeepSpeed data-parallel, one rank per node. The second node is lost (its launcher, agent and
-    rank killed at once, as a machine going down) after step 1; both nodes resume from the checkpoint."""
+@pytest.mark.parametrize("job", [COLOCATED, FSDP2], ids=["deepspeed", "fsdp2"])
+def test_colocated_training_over_two_nodes_equals_one_node_and_survives_a_lost_node(tmp_path, demo_shards, job):
+    """DeepSpeed data-parallel, or FSDP2 sharded over the two nodes; one rank per node. The second
+    node is lost (its launcher, agent and rank killed at once, as a machine going down) after
+    step 1; both nodes resume from the checkpoint."""
     d, _ = demo_shards
-    one = start(tmp_path / "one", d, COLOCATED)
-    node0, node1 = two_nodes(tmp_path / "two", d, COLOCATED)
+    one = start(tmp_path / "one", d, job)
+    node0, node1 = two_nodes(tmp_path / "two", d, job)
     metrics = tmp_path / "two" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
@@ -127,7 +130,7 @@ def test_colocated_data_parallel_over_two_nodes_equals_one_node_and_survives_a_l
     node1.communicate(timeout=60)
     finish(one)
     assert (tmp_path / "two" / "checkpoints").is_dir()
-    node0, node1 = two_nodes(tmp_path / "two", d, COLOCATED, "--resume")
+    node0, node1 = two_nodes(tmp_path / "two", d, job, "--resume")
     out0, _ = finish(node0, node1)
     assert "resumed from" in out0
     want, got = rows(tmp_path / "one"), rows(tmp_path / "two")

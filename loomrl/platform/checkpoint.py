@@ -6,7 +6,16 @@ unpickles objects (torch.load(weights_only=True)); whatever is wrong with a
 checkpoint (a file missing, damaged, or vouched for by a rewritten manifest but
 unreadable) is a ValueError naming the file. A policy with LoRA adapters also gets
 `adapter.safetensors`: the `*.lora_A` / `*.lora_B` tensors alone, under the policy's names (a
-copy, for sharing adapters; loading reads model.safetensors, which holds base and adapters)."""
+copy, for sharing adapters; loading reads model.safetensors, which holds base and adapters).
+
+Sharded engine state (FSDP2): an engine that declares `save_sharded` writes its optimizer state
+from every rank into the staged folder's `engine/` through torch.distributed.checkpoint (each rank
+its own shards, `__R_0.distcp`, plus `.metadata`; no gather to rank 0), before rank 0 writes the
+rest, the manifest (which lists `engine/...` too) and renames the folder. That needs the run
+folder on a filesystem every node sees (docs/multi-node.md). Reading it back stays pickle-free
+where it matters: DCP's `.metadata` is a pickle, read here by an unpickler that knows only DCP's
+metadata classes (`_MetadataUnpickler`); the shards are read with torch.load(weights_only=True)
+by DCP itself, and a state with anything but tensors (DCP's pickled "bytes" items) is refused."""
 
 from __future__ import annotations
 
@@ -27,9 +36,32 @@ from loomrl.platform.faults import maybe_die
 
 MANIFEST = "manifest.json"
 REQUIRED = ("model.safetensors", "optimizer.pt", "state.json")
+SHARDED = "engine"
+"""The subfolder of an engine's sharded state (save_sharded)."""
 STEP_NAME = re.compile(r"step-(\d{6,})")
 """A checkpoint folder's name (`step-000006`); anything else beside them (`step-000006.bak`, a
 `.step-000007.tmp` being written) is not a checkpoint: never picked, never pruned."""
+
+
+def staging_folder(root: Path, step: int) -> Path:
+    """Where step-N is written before its rename."""
+    return root / f".step-{step:06d}.tmp"
+
+
+def stage(root: Path, step: int, writer: bool) -> Path:
+    """An empty staging folder for step-N, made by the writing rank; every rank returns once it
+    exists (collective when distributed), so every rank can write its shards into it."""
+    import torch.distributed as dist
+
+    tmp = staging_folder(root, step)
+    if writer:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return tmp
 
 
 def checkpoint_folders(root: Path) -> list[Path]:
@@ -67,15 +99,18 @@ def save_checkpoint(
     *,
     keep_last: int,
     extra_models: dict | None = None,
+    staged: bool = False,
 ) -> Path:
-    """Write step-N/ atomically; extra_models: {name: module} saved as name.safetensors."""
+    """Write step-N/ atomically; extra_models: {name: module} saved as name.safetensors. staged:
+    `stage()` made the folder and every rank wrote its shards there already: keep them."""
 
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = root / f".step-{step:06d}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = staging_folder(root, step)
+    if not staged:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
     save_model(model, str(tmp / "model.safetensors"))  # dedups tied weights
     adapter = {k: v.detach().contiguous() for k, v in model.state_dict().items() if ".lora_" in k}
     if adapter:  # LoRA (backbone/lora.py): the adapters alone too, a copy of what model.safetensors holds
@@ -85,9 +120,11 @@ def save_checkpoint(
     maybe_die("checkpoint")
     torch.save(engine_state, tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    files = sorted(p.name for p in tmp.iterdir())
+    files = sorted(f.relative_to(tmp).as_posix() for f in tmp.rglob("*") if f.is_file())
     for name in files:
         _fsync(tmp / name)
+    for folder in {(tmp / name).parent for name in files}:
+        _fsync(folder)
     (tmp / MANIFEST).write_text(json.dumps({name: _sha256(tmp / name) for name in files}, indent=1))
     _fsync(tmp / MANIFEST)
     if final.exists():
@@ -145,7 +182,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     if not isinstance(manifest, dict) or not all(isinstance(v, str) for v in manifest.values()):
         raise ValueError(f"{manifest_path}: not a JSON object of file names and sha256 sums")
     for name in manifest:
-        if name in ("", ".", "..") or "/" in name or "\\" in name:
+        parts = name.split("/")
+        if len(parts) > 2 or "\\" in name or any(part in ("", ".", "..") for part in parts):
             raise ValueError(f"{manifest_path}: {name[:100]!r} is not a file name of the checkpoint")
     for name in REQUIRED:
         if name not in manifest:
@@ -223,3 +261,82 @@ def blame(file: Path) -> Iterator[None]:
         yield
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
         raise ValueError(f"{file}: does not fit this run: {type(e).__name__}: {_cut(str(e))}") from None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` pickle with only the classes it is made of: DCP's metadata records, torch
+    sizes, dtypes and layouts, a path. Anything else (the way a crafted pickle runs code) is refused."""
+
+    ALLOWED = {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    } | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def save_sharded(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """Every rank's shards of `tensors` (DTensors and plain tensors; a plain tensor is written once)
+    into `folder` through torch.distributed.checkpoint (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)))
+
+
+def sharded_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The tensors a save_sharded() folder holds and their full shapes; ValueError naming the file
+    for an unreadable or crafted `.metadata`, or a value that is not a tensor."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    file = folder / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+        items = dict(meta.state_dict_metadata)
+    except Exception as e:  # noqa: BLE001 - missing, truncated, crafted: all the same to a resume
+        raise ValueError(
+            f"{file}: not a readable sharded-checkpoint index: {type(e).__name__}: {_cut(str(e))}"
+        ) from None
+    bad = [k for k, v in items.items() if not isinstance(v, TensorStorageMetadata)]
+    if bad:
+        raise ValueError(f"{file}: {bad[0]!r} is not a tensor (a sharded checkpoint holds tensors only)")
+    return {k: tuple(v.size) for k, v in items.items()}
+
+
+def load_sharded(targets: dict[str, torch.Tensor], folder: Path) -> None:
+    """Read a save_sharded() folder into `targets` in place (each rank its own shards; collective).
+    The caller builds the targets from sharded_shapes(), which has vetted `.metadata`."""
+    import torch.distributed.checkpoint as dcp
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                meta = _MetadataUnpickler(f).load()
+            meta.storage_meta = meta.storage_meta or dcp.metadata.StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:  # DCP would torch.load(weights_only=False) it
+            raise ValueError(f"{folder}: {read_item.dest_index.fqn!r} is not a tensor; refused")
+
+    dcp.load(targets, storage_reader=Reader(str(folder)), planner=Planner())

@@ -47,7 +47,15 @@ from loomrl.platform import recipe as R
 from loomrl.platform.algorithms import ALGORITHMS
 from loomrl.platform.algorithms.critic import ValueHead, build_critic
 from loomrl.platform.backbone.vlm import build_policy
-from loomrl.platform.checkpoint import blame, check_run_state, load_checkpoint, load_extra_model, save_checkpoint
+from loomrl.platform.checkpoint import (
+    SHARDED,
+    blame,
+    check_run_state,
+    load_checkpoint,
+    load_extra_model,
+    save_checkpoint,
+    stage,
+)
 from loomrl.platform.dpo_steps import PreferenceSteps
 from loomrl.platform.engines import build_engine
 from loomrl.platform.engines.base import load_exported, world
@@ -423,8 +431,11 @@ class Trainer(SupervisedSteps, PreferenceSteps, RLSteps, Validation):
             "trajectories": counts,
             "recipe": R.run_dict(self.recipe),
         }
+        root, sharded = self.out / "checkpoints", hasattr(self.engine, "save_sharded")
+        if sharded:  # FSDP2: every rank writes its own optimizer shards into the staged folder
+            self.engine.save_sharded(stage(root, self.step_count, self.writer) / SHARDED)
         engine_state = {
-            "engine": self.engine.state_dict() or {},
+            "engine": {"sharded": SHARDED} if sharded else self.engine.state_dict() or {},
             "torch_rng": torch.get_rng_state(),
             "source": self.source.state_dict(),
         }
@@ -435,13 +446,14 @@ class Trainer(SupervisedSteps, PreferenceSteps, RLSteps, Validation):
             return path
         # the rollout copy of the policy is what is saved: sync it from a DeepSpeed/Megatron engine
         return save_checkpoint(
-            self.out / "checkpoints",
+            root,
             self.step_count,
             self.model,
             engine_state,
             state,
             keep_last=self.recipe.checkpoint.keep_last,
             extra_models=extra or None,
+            staged=sharded,
         )
 
     def load_state_dict(self, state: dict, engine_state: dict) -> None:
@@ -449,7 +461,12 @@ class Trainer(SupervisedSteps, PreferenceSteps, RLSteps, Validation):
         does not fit this run is a ValueError naming its file."""
         check_run_state(state, engine_state, self.resume_from, critic=self.critic_engine is not None)
         with blame(self.resume_from / "optimizer.pt"):
-            self.engine.load_state_dict(engine_state["engine"])
+            if hasattr(self.engine, "load_sharded"):
+                if engine_state["engine"] != {"sharded": SHARDED}:
+                    raise ValueError("holds no sharded engine state: written by another training.engine")
+                self.engine.load_sharded(self.resume_from / SHARDED)
+            else:
+                self.engine.load_state_dict(engine_state["engine"])
             torch.set_rng_state(engine_state["torch_rng"])
             self.source.load_state_dict(engine_state["source"])
         with blame(self.resume_from / "state.json"):

@@ -30,11 +30,12 @@ torch.utils.checkpoint wraps each (sharded) layer's call, whose re-run in the ba
 the weights FSDP gathered for that layer's backward.
 
 Rollout sync: `export_weights` yields the full HF-layout tensors one at a time (each all-gathered
-from its shards, a collective on every rank), never the whole model at once. Checkpoints: the
-full FP32 weights are the policy's (synced from the export, saved by checkpoint.py); the engine
-state is each rank's AdamW shards (plain tensors), gathered to rank 0 and saved in optimizer.pt
-like the DeepSpeed engine's (loaded with weights_only); a resume re-shards the saved full
-weights and gives each rank its own optimizer shards back (same world size only).
+from its shards, a collective on every rank) and the trainer copies each into the rollout policy
+as it comes (`load_exported`), never the whole model at once (`loomrl bench sync`). Checkpoints:
+the full FP32 weights are the policy's (synced from the export, saved by checkpoint.py); the
+AdamW state is sharded: every rank writes its own shards through torch.distributed.checkpoint
+(`save_sharded`, into the checkpoint's `engine/`), nothing is gathered. A resume re-shards the
+saved full weights and reads each rank's optimizer shards back (`load_sharded`; DCP re-shards).
 
 The encoding cache's single encoder backward per mini-batch (a MiniBatchHook) is not used:
 media are encoded inside each micro-batch's forward (deduplicated within it), same gradients.
@@ -44,20 +45,20 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Iterator, Optional
+from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from loomrl.config import RecipeError
 from loomrl.encoders.base import modalities
+from loomrl.platform.checkpoint import load_sharded, save_sharded, sharded_shapes
 from loomrl.platform.engines.base import (
     TRAINING_ENGINES,
     LossFn,
     allreduce_stats,
-    gather_rank_states,
     rank_share,
-    rank_state,
     world,
 )
 from loomrl.platform.engines.launch import init_distributed
@@ -122,13 +123,6 @@ def training_memory(sizes: ModelSizes, prec: Precision, training, *, dp: int, tp
 def _media_kinds(micro_batches: list) -> set[str]:
     """The kinds of medium anywhere in the mini-batch (every rank holds all of it)."""
     return {m.kind for mb in micro_batches for row in getattr(mb, "media", []) for m in row}
-
-
-def _local(t):
-    """A DTensor's local shard (plain tensor), anything else unchanged."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @TRAINING_ENGINES.register(
@@ -257,30 +251,42 @@ class FSDP2TrainEngine:
             full = t.full_tensor() if hasattr(t, "full_tensor") else t
             yield name, full.detach().to(self.device, torch.float32)
 
-    def state_dict(self) -> Optional[dict]:
-        """Every rank's AdamW state of its shards (plain tensors), gathered on rank 0 (None on the
-        others); collective. The weights themselves are the exported ones, saved with the policy."""
-        local = [
-            {
-                k: _local(v).detach().cpu().clone() if torch.is_tensor(v) else v
-                for k, v in self.optimizer.state.get(p, {}).items()
-            }
-            for p in self.params
-        ]
-        return gather_rank_states({"optimizer": local, "shapes": [list(_local(p).shape) for p in self.params]})
+    def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """AdamW's state of the trainable parameters, `NAME/KEY` -> tensor (DTensor shards, the
+        step a plain tensor), by parameter name."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {f"{names[id(p)]}/{k}": v for p in self.params for k, v in self.optimizer.state.get(p, {}).items()}
 
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.tensor import DTensor
+    def save_sharded(self, folder: Path) -> None:
+        """Every rank writes its own shards of the AdamW state into `folder` (torch.distributed
+        .checkpoint; collective). The weights themselves are the exported ones, saved with the policy."""
+        save_sharded(self._optimizer_tensors(), folder)
 
-        local = rank_state(state, "fsdp2 engine state")
-        if local["shapes"] != [list(_local(p).shape) for p in self.params]:
-            raise ValueError("fsdp2 engine state: the optimizer shards do not fit this model and world size")
-        for p, saved in zip(self.params, local["optimizer"]):
-            st = {}
-            for k, v in saved.items():
-                if torch.is_tensor(v) and isinstance(p, DTensor) and v.dim() > 0:
-                    v = DTensor.from_local(
-                        v.to(_local(p).device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-                    )
-                st[k] = v.clone() if torch.is_tensor(v) else v
-            self.optimizer.state[p] = st
+    def load_sharded(self, folder: Path) -> None:
+        """The AdamW state of a save_sharded() folder, each rank reading its own shards (any world
+        size: DCP re-shards); ValueError naming the folder when it does not fit this model."""
+        from torch.distributed.tensor import DTensor, zeros
+
+        shapes = sharded_shapes(folder)
+        by_name = dict(self.model.named_parameters())
+        targets: dict[str, torch.Tensor] = {}
+        for key, shape in shapes.items():
+            name, _, what = key.rpartition("/")
+            p = by_name.get(name)
+            if p is None or not p.requires_grad or what not in ("step", "exp_avg", "exp_avg_sq"):
+                raise ValueError(f"{folder}: {key!r} is not AdamW state of this model's trainable parameters")
+            if what == "step":
+                targets[key] = torch.zeros(shape)
+            elif shape != tuple(p.shape):
+                raise ValueError(f"{folder}: {key} has shape {shape}, the parameter {tuple(p.shape)}")
+            elif isinstance(p, DTensor):
+                targets[key] = zeros(p.shape, device_mesh=p.device_mesh, placements=p.placements)
+            else:
+                targets[key] = torch.zeros_like(p)
+        missing = {n for n, p in by_name.items() if p.requires_grad} - {k.rpartition("/")[0] for k in shapes}
+        if missing:
+            raise ValueError(f"{folder}: no optimizer state for {sorted(missing)[:3]}")
+        load_sharded(targets, folder)
+        for p in self.params:
+            name = next(n for n, q in by_name.items() if q is p)
+            self.optimizer.state[p] = {k: targets[f"{name}/{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
