@@ -8,7 +8,8 @@ from loomrl.platform.backbone.tokenizer import load_tokenizer
 from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.recipe import ModelConfig
 
-torch.set_num_threads(2)
+# `make test` runs the suite on two pytest-xdist workers (one core each), then the `two_cores` tests alone
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 # A sample that fails with an exception no decoder raises on bad data (IndexError, AttributeError...)
 # is a bug, not a bad sample: in the tests it raises instead of being skipped (encoders/media.py).
 os.environ["LOOMRL_STRICT_DATA_ERRORS"] = "1"
@@ -92,6 +93,9 @@ SLOW_FILES = {
 }
 # Learning tests timed with both cores of a 2-core machine (training.threads=2): run nothing beside them.
 TWO_CORE_FILES = {"test_demo_learns.py"}
+# Under xdist (`--dist loadgroup`) a file's tests stay on one worker (its module fixtures run once),
+# except these, whose slow cases are independent runs: they are spread over the workers.
+SPREAD_FILES = {"test_compose.py", "test_multi_node.py"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -100,3 +104,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.path.name in TWO_CORE_FILES:
             item.add_marker(pytest.mark.two_cores)
+        if item.path.name not in SPREAD_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
