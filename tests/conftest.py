@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -8,8 +9,15 @@ from loomrl.platform.backbone.tokenizer import load_tokenizer
 from loomrl.platform.backbone.vlm import build_policy
 from loomrl.platform.recipe import ModelConfig
 
-# `make test` runs the suite on two pytest-xdist workers (one core each), then the `two_cores` tests alone
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+# `make test` runs the suite on two pytest-xdist workers (one core each), then the `two_cores` tests alone.
+# Each worker has a temporary folder of its own (its runs, vLLM's rendezvous files), so tests that
+# check what a run left in the temporary folder see their own worker's only.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(1 if WORKER else 2)
+if WORKER:
+    os.environ["TMPDIR"] = os.path.join(tempfile.gettempdir(), f"loomrl-tests-{WORKER}")
+    os.makedirs(os.environ["TMPDIR"], exist_ok=True)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 # A sample that fails with an exception no decoder raises on bad data (IndexError, AttributeError...)
 # is a bug, not a bad sample: in the tests it raises instead of being skipped (encoders/media.py).
 os.environ["LOOMRL_STRICT_DATA_ERRORS"] = "1"

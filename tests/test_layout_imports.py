@@ -145,8 +145,10 @@ def test_the_library_never_imports_test_code():
 LAZY = {"vllm", "deepspeed", "megatron", "arctic_inference", "transformers", "tokenizers", "matplotlib", "torchaudio"}
 LAZY |= {"mpmath"}  # the math reward's fallback
 LAZY |= {"wandb", "mlflow"}  # the experiment trackers (the `trackers` extra), imported when one starts
-# torch's FSDP2 / DTensor packages: ~1.6 s at import, needed only when the fsdp2 engine is built
+# torch's FSDP2 / DTensor packages: ~1.6 s at import, needed only when the fsdp2 engine is built;
+# torch.distributed.checkpoint (~1.2 s), needed only for the fsdp2 engine's sharded state
 LAZY_SUBMODULES = {"torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.device_mesh"}
+LAZY_SUBMODULES |= {"torch.distributed.checkpoint"}
 DISPATCH = {"loomrl/cli.py"}  # the command line loads a command's module when that command runs
 
 

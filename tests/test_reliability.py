@@ -353,6 +353,12 @@ def test_a_pickled_optimizer_file_is_refused_without_unpickling(ckpt, model):
             '{"up/x": "0", "model.safetensors": "x", "optimizer.pt": "x", "state.json": "y"}',
             "'up/x' is not a file name",
         ),
+        (  # the sharded engine state's folder holds files, not paths out of it
+            '{"engine/../../x": "0", "model.safetensors": "x", "optimizer.pt": "x", "state.json": "y"}',
+            "'engine/../../x' is not a file name",
+        ),
+        ('{"engine/..": "0", "model.safetensors": "x", "optimizer.pt": "x", "state.json": "y"}', "'engine/..' is not"),
+        ('{"engine/a/b": "0", "model.safetensors": "x", "optimizer.pt": "x", "state.json": "y"}', "'engine/a/b'"),
     ],
 )
 def test_a_malformed_manifest_is_a_message(ckpt, model, manifest, needle):

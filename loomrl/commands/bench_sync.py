@@ -28,6 +28,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from loomrl.platform import recipe as R
+from loomrl.platform.backbone.tokenizer import load_tokenizer
+from loomrl.platform.backbone.vlm import build_policy
+from loomrl.platform.engines.base import load_exported
+from loomrl.platform.engines.fsdp2_engine import FSDP2TrainEngine
+from loomrl.platform.engines.launch import finish
+
 log = logging.getLogger("loomrl")
 
 MODES = ("full", "streamed")
@@ -43,16 +53,6 @@ def _status_kib(key: str) -> int:
 def _worker(mode: str, hidden: int, layers: int, out: Path) -> None:
     """One rank of a torchrun launch: build the policy and an FSDP2 engine, sync once, write the
     figures (rank 0)."""
-    import torch
-    import torch.distributed as dist
-
-    from loomrl.platform import recipe as R
-    from loomrl.platform.backbone.tokenizer import load_tokenizer
-    from loomrl.platform.backbone.vlm import build_policy
-    from loomrl.platform.engines.base import load_exported
-    from loomrl.platform.engines.fsdp2_engine import FSDP2TrainEngine
-    from loomrl.platform.engines.launch import finish
-
     torch.set_num_threads(1)
     r = R.Recipe()
     m = r.model

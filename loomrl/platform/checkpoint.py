@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_model, save_file, save_model
 
 from loomrl.platform.faults import maybe_die
@@ -51,8 +52,6 @@ def staging_folder(root: Path, step: int) -> Path:
 def stage(root: Path, step: int, writer: bool) -> Path:
     """An empty staging folder for step-N, made by the writing rank; every rank returns once it
     exists (collective when distributed), so every rank can write its shards into it."""
-    import torch.distributed as dist
-
     tmp = staging_folder(root, step)
     if writer:
         root.mkdir(parents=True, exist_ok=True)
@@ -182,8 +181,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     if not isinstance(manifest, dict) or not all(isinstance(v, str) for v in manifest.values()):
         raise ValueError(f"{manifest_path}: not a JSON object of file names and sha256 sums")
     for name in manifest:
-        parts = name.split("/")
-        if len(parts) > 2 or "\\" in name or any(part in ("", ".", "..") for part in parts):
+        parts = name.split("/")  # a file of the folder, or of its sharded engine state (engine/)
+        inner = parts[1:] if len(parts) == 2 and parts[0] == SHARDED else parts
+        if len(inner) != 1 or "\\" in name or inner[0] in ("", ".", ".."):
             raise ValueError(f"{manifest_path}: {name[:100]!r} is not a file name of the checkpoint")
     for name in REQUIRED:
         if name not in manifest:
