@@ -18,6 +18,9 @@ if WORKER:
     os.environ["TMPDIR"] = os.path.join(tempfile.gettempdir(), f"loomrl-tests-{WORKER}")
     os.makedirs(os.environ["TMPDIR"], exist_ok=True)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+# The draft cost models a run adopts (draft_control.CostCache) live in this session's own cache,
+# not the user's: the suite's runs of one workload share their first fit, as a machine's runs do.
+os.environ["LOOMRL_CACHE_DIR"] = tempfile.mkdtemp(prefix="loomrl-cache-")
 # A sample that fails with an exception no decoder raises on bad data (IndexError, AttributeError...)
 # is a bug, not a bad sample: in the tests it raises instead of being skipped (encoders/media.py).
 os.environ["LOOMRL_STRICT_DATA_ERRORS"] = "1"

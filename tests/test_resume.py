@@ -37,8 +37,7 @@ def cli(tmp: Path, out: str, *extra: str, kill_at: str | None = None) -> subproc
         "rollout.n=4",
         "checkpoint.every=1",
         "checkpoint.keep_last=3",
-        "rollout.drafter.enabled=true",
-        "rollout.drafter.adaptive=false",  # adaptive draft lengths follow timings (tokens do not)
+        "rollout.drafter.enabled=true",  # adaptive (the default): draft lengths from counted work
         "logging.tensorboard=false",
         "goal=null",
         "algorithm.reward=rewards_for_tests:distinct_words",
@@ -85,6 +84,16 @@ def test_kill_then_resume_matches_uninterrupted(baseline, point):
     assert len(set(digests)) == len(digests)  # 6 steps x 4 prompts < 48 samples: no prompt twice
     last = got[-1]
     assert last["trajectories_generated"] == last["trajectories_trained"] + last["trajectories_dropped"] == 6 * 16
+
+
+def test_a_second_run_of_the_seed_repeats_the_first(baseline):
+    """Adaptive drafting (the default) chooses draft lengths from counted work under a cost model fitted
+    on each run's own clock: a second run chooses alike, forward widths and log-probs included."""
+    tmp, full = baseline
+    again = cli(tmp, "again")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert rows(tmp / "again" / "metrics.jsonl") == full
+    assert full[-1]["draft_calibrated"] == 1 and any(r["draft_k_mean"] > 0 for r in full)  # it drafted
 
 
 def test_corrupt_checkpoint_is_refused_and_an_earlier_one_can_be_named(baseline):

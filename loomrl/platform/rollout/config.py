@@ -25,14 +25,21 @@ class DrafterConfig:
     """Most tokens drafted per target forward."""
     adaptive: bool = True
     """Built-in engine: choose each forward's draft length (0, 1, 2, 4, ..., k) by the rate it
-    measurably gives, tokens committed per second with lookups and verification counted, so
-    drafting does not run where it makes the rollout slower (rollout/draft_control.py), and cap
-    each row's draft at twice what its last one got committed; the choice and the measured
-    rates are logged (`draft_k_mean`, `draft_k_best`, `draft_k<k>_row_tokens_per_s`). In vLLM the
-    same controller runs inside loomrl's proposer and chooses each scheduler step's draft length
-    (k is vLLM's `num_speculative_tokens`, the longest draft; when sampling, vLLM's token for a seed
-    depends on the draft length, so there seeded runs repeat exactly only with false). false: always
-    draft up to k."""
+    gives, tokens committed per second with lookups and verification counted, so drafting does not
+    run where it makes the rollout slower (rollout/draft_control.py), and cap each row's draft at
+    twice what its last one got committed. The seconds come from a cost model of counted work
+    (rows, positions scored, lookups) fitted once per run on a fixed schedule of forwards and kept
+    in checkpoints, so seeded runs and resumes choose the same lengths; the choice, the model and
+    the rates are logged (`draft_k_mean`, `draft_k_best`, `draft_cost_*_s`,
+    `draft_k<k>_row_tokens_per_s`). In vLLM the same controller runs inside loomrl's proposer and
+    chooses each scheduler step's draft length (k is vLLM's `num_speculative_tokens`, the longest
+    draft). false: always draft up to k."""
+    cost_cache: bool = True
+    """With `adaptive`: adopt the cost model that the first run of this workload (engine, device,
+    kernels, threads, model, k) fitted on this machine, kept in `$LOOMRL_CACHE_DIR/draft_cost.json`
+    (by default `~/.cache/loomrl/`), and keep this run's fit there if it is the first, so two runs
+    of one seed choose the same draft lengths. false: every run uses its own fit (a resume still
+    restores it from the checkpoint)."""
     tree_nodes: int = ranged(0, ge=0)
     """Built-in engine: draft trees of up to this many tokens (k deep), several candidate
     continuations verified in one forward (0 = single drafts only). Trees commit more tokens per

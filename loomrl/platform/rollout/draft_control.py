@@ -5,21 +5,35 @@ policy) and costs the target k more positions per row plus the drafter's lookups
 depends on the model, the batch, the engine and the device: a 0.5B model decoding a few rows is
 memory-bound, so extra positions are nearly free; the demo's tiny model at 256 rows is bound by the
 per-row lookups in Python, so even well-accepted drafts can lose. No fixed k is right everywhere,
-so the engine measures instead of guessing, one forward at a time:
+so the engine measures instead of guessing. It measures once, and then decides from counted work
+alone, so that a seeded run, a second run of the same seed and a resumed run choose the same draft
+lengths (and so score the same forward widths and, in vLLM, draw the same tokens):
+
+- **a cost model, calibrated once per run**: a forward's seconds are modelled as
+  `forward_s + rows x row_s + positions x position_s + lookups x lookup_s` (rows decoded,
+  positions scored: rows x the forward's width, lookups: rows that drafted). The first forwards run
+  a fixed schedule, whatever their timings: plain decoding every other forward and the drafting
+  arms in turn between, until `CALIBRATION` forwards of which `CAL_DRAFTED` scored real drafts
+  (drafts exist only once histories do; `CAL_MAX` forwards if drafts never land); their measured
+  seconds are then fitted by non-negative least squares, and the fit is kept in the controller's
+  state (checkpoints, the metrics row: `draft_cost_*_s`). From then on the clock is not read: every
+  forward's cost is the model's cost of its counted work;
 
 - the arms are draft lengths k in {0 (plain decoding), 1, 2, 4, ..., K}, and with
   `rollout.drafter.tree_nodes` one more after K: a draft tree of that many tokens, K deep;
-- an arm's *cost* is measured: seconds per row of its forwards (the lookups that prepared the
-  drafts, the forward and the verification), a ratio of sums decayed by 0.95 per forward since,
-  so one slow forward moves it little and an arm measured long ago counts by its newest forwards;
+- an arm's *cost* is the modelled seconds per row of a forward of the current width of the batch
+  (the last forward's rows) on that arm: the lookups that prepare its drafts, the forward and the
+  verification, from the arm's positions and lookups per row (sums of its counted work decayed by
+  0.95 per forward since: a row drafts at most twice what its last draft got committed, so an
+  arm's width follows the acceptance);
 - its *gain* is estimated from every forward that drafted, whatever its arm: the acceptance rate
   a_i of draft position i (rows that had positions 0..i accepted over rows that were allowed to
   draft position i, decayed by 0.99 per forward: a row with no draft or a shorter one counts as
   not accepted), and an arm drafting k tokens commits 1 + a_0 + ... + a_(k-1) tokens per row
   (a position never offered yet counts as its predecessor's rate: optimistic, so it is tried);
   a tree's gain is its own forwards' committed tokens per row, decayed as its cost;
-- its *rate* is gain / cost, committed tokens per second per row. The next forward runs the arm
-  with the best rate (plain decoding at first, so a job starts no slower than without a drafter).
+- its *rate* is gain / cost, committed tokens per second per row. After calibration the next forward runs
+  the arm with the best rate.
   An arm next to the best one (one step shorter or longer) that was never measured is tried at
   once, so a run where drafting pays climbs to its best k in a few forwards; one that was measured
   is tried again once its measurement is `explore` forwards old. A tried arm runs until it has
@@ -41,13 +55,25 @@ rate (`draft_k<k>_row_tokens_per_s`) and the pooled acceptance by position
 
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
+import os
 from dataclasses import dataclass
-from typing import NamedTuple
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+log = logging.getLogger(__name__)
 
 EXPLORE_FIRST, EXPLORE_MAX = 32, 256
-DECAY = 0.95  # an arm's cost: its seconds over its rows, both decayed by this per forward elapsed
+DECAY = 0.95  # an arm's work (rows, positions, lookups, tokens): sums decayed by this per forward elapsed
 ACCEPT_DECAY = 0.99  # the acceptance by position: drafted and accepted counts, decayed by this per forward
 PROBE_ROWS = 16  # a (re)checked arm runs consecutive forwards until it has drafted for this many rows
+CALIBRATION = 32  # forwards on the fixed schedule before the cost model is fitted ...
+CAL_DRAFTED = 8  # ... at least this many of which scored real drafts (positions > rows) ...
+CAL_MAX = 512  # ... or this many forwards in all, where drafts never land
 
 
 def arms(k_max: int) -> list[int]:
@@ -64,26 +90,136 @@ class Choice(NamedTuple):
     nodes: int = 0  # > 0: a draft tree of at most this many tokens, at most k deep
 
 
+class Work(NamedTuple):
+    """One forward's counted work (and, for calibration only, its measured seconds)."""
+
+    arm: int  # index into the controller's arms
+    forward: int  # the controller's forward index
+    rows: int
+    positions: int
+    lookups: int
+    accepted_tokens: int  # tokens committed (a tree arm's own gain)
+    seconds: float
+
+
+class CostModel(NamedTuple):
+    """A forward's seconds from its counted work, fitted once per run (module docstring)."""
+
+    forward_s: float
+    row_s: float
+    position_s: float
+    lookup_s: float
+
+    def seconds(self, rows: int, positions: int, lookups: int) -> float:
+        return self.forward_s + rows * self.row_s + positions * self.position_s + lookups * self.lookup_s
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by trying every subset of columns (4 columns: 15 small solves)."""
+    best: tuple[float, list[int], np.ndarray] | None = None
+    n = x.shape[1]
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        coef = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
+        if (coef < 0).any():
+            continue
+        residual = float(((x[:, cols] @ coef - y) ** 2).sum())
+        if best is None or residual < best[0]:
+            best = (residual, cols, coef)
+    out = np.zeros(n)
+    if best is not None:
+        out[best[1]] = best[2]
+    return out
+
+
+def fit_cost(work: list[Work]) -> CostModel:
+    """The cost model of the measured forwards. Where no forward scored a draft, rows and positions
+    cannot be told apart; an extra position is then taken to cost as much as a row (drafting's worst
+    case, so it is not chosen on a guess)."""
+    y = np.array([w.seconds for w in work], dtype=np.float64)
+    drafted = any(w.positions > w.rows for w in work)
+    x = np.array([[1.0, w.rows, w.positions, w.lookups] for w in work], dtype=np.float64)
+    if drafted:
+        f, r, p, lk = _nnls(x, y)
+    else:
+        f, p, lk = _nnls(x[:, [0, 2, 3]], y)
+        r = 0.0
+    return CostModel(float(f), float(r), float(p), float(lk))
+
+
+CACHE_KEYS = 256  # workloads a cache keeps (the oldest dropped first)
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("LOOMRL_CACHE_DIR") or Path.home() / ".cache" / "loomrl") / "draft_cost.json"
+
+
+class CostCache:
+    """The cost models fitted earlier on this machine, by workload: a run adopts the first fit of its
+    workload, so two runs of one seed choose the same draft lengths (module docstring)."""
+
+    def __init__(self, key: str, path: Optional[Path] = None):
+        self.key, self.path = key, path or cache_path()
+
+    def adopt(self, fitted: CostModel) -> CostModel:
+        """The stored model of this workload, or `fitted`, stored now (under a lock: concurrent runs
+        adopt one fit). A cache that cannot be read or written is left alone: `fitted` is used."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    stored = json.loads(self.path.read_text()) if self.path.exists() else {}
+                except (ValueError, OSError):
+                    stored = {}  # a damaged cache: start it again
+                if not isinstance(stored, dict):
+                    stored = {}
+                row = stored.get(self.key)
+                if isinstance(row, list) and len(row) == 4 and all(isinstance(v, (int, float)) for v in row):
+                    log.info("draft cost model: adopted the first fit of this workload from %s", self.path)
+                    return CostModel(*map(float, row))
+                stored[self.key] = list(fitted)
+                stored = dict(list(stored.items())[-CACHE_KEYS:])
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(stored, indent=0))
+                os.replace(tmp, self.path)
+                log.info("draft cost model: fitted, and kept in %s for later runs of this workload", self.path)
+        except OSError as e:
+            log.warning("draft cost model: cache %s not usable (%s); this run's fit is used", self.path, e)
+        return fitted
+
+
 @dataclass
 class _Arm:
     k: int
     nodes: int = 0
-    rows: float = 0.0  # decayed sums over this arm's forwards: its cost is seconds per row
-    seconds: float = 0.0
+    rows: float = 0.0  # decayed sums over this arm's forwards: rows, positions scored and lookups,
+    positions: float = 0.0  # counted, so the arm's width and lookups per row (they follow the
+    lookups: float = 0.0  # acceptance: a row drafts at most twice what its last draft got committed)
     tokens: float = 0.0  # ... and committed tokens (a tree arm's own gain: trees are not pooled)
     measured: int = 0  # forwards measured
     last: int = -1  # forward index of the last measurement
     explore: int = EXPLORE_FIRST
 
-    @property
-    def cost(self) -> float:
-        return self.seconds / self.rows if self.rows > 0 else 0.0
+    def cost(self, model: CostModel, rows: int) -> float:
+        """Modelled seconds per row of a forward of `rows` rows on this arm (unmeasured: every row
+        drafts its full length)."""
+        width, lookups = (
+            (self.positions / self.rows, self.lookups / self.rows)
+            if self.rows
+            else (
+                1 + (self.nodes or self.k),
+                float(self.k > 0),
+            )
+        )
+        return model.seconds(rows, rows * width, rows * lookups) / rows
 
 
 class DraftController:
-    """Chooses each forward's draft length from measured rates (module docstring)."""
+    """Chooses each forward's draft length from modelled rates (module docstring)."""
 
-    def __init__(self, k_max: int, tree_nodes: int = 0):
+    def __init__(self, k_max: int, tree_nodes: int = 0, cache: Optional[CostCache] = None):
+        self.cache = cache
         self.arms = [_Arm(k) for k in arms(k_max)] + ([_Arm(k_max, tree_nodes)] if tree_nodes > 0 else [])
         self.offered = [0.0] * k_max  # decayed: rows allowed to draft position i
         self.accepted = [0.0] * k_max  # ... that had positions 0..i accepted
@@ -92,16 +228,23 @@ class DraftController:
         self.chosen: list[Choice] = []  # each forward's draft since the last `summary`
         self._probing: int | None = None  # the arm being (re)checked, until it has seen PROBE_ROWS rows
         self._probe_rows = 0
+        self.model: Optional[CostModel] = None  # fitted once calibration is over
+        self.rows_now = 1  # the last forward's rows: arms' costs are compared at it
+        self.calibration: list[Work] = []  # the measured forwards it is fitted from
 
     def choose(self) -> Choice:
         """The draft for the next forward."""
-        pick = self.best if self._probing is None else self._probing
-        for i in (self.best + 1, self.best - 1) if self._probing is None else ():
-            if 0 <= i < len(self.arms) and self.arms[self.best].measured:
-                arm = self.arms[i]
-                if arm.measured == 0 or self.forwards - arm.last >= arm.explore:
-                    pick, self._probing, self._probe_rows = i, i, 0
-                    break
+        if self.model is None:  # calibrating: a fixed schedule, plain every other forward
+            n = len(self.calibration)
+            pick = 0 if n % 2 == 0 else 1 + (n // 2) % (len(self.arms) - 1)
+        else:
+            pick = self.best if self._probing is None else self._probing
+            for i in (self.best + 1, self.best - 1) if self._probing is None else ():
+                if 0 <= i < len(self.arms) and self.arms[self.best].measured:
+                    arm = self.arms[i]
+                    if arm.measured == 0 or self.forwards - arm.last >= arm.explore:
+                        pick, self._probing, self._probe_rows = i, i, 0
+                        break
         self._pending = pick
         self.chosen.append(Choice(self.arms[pick].k, self.arms[pick].nodes))
         return self.chosen[-1]
@@ -119,23 +262,31 @@ class DraftController:
         return total
 
     def rate(self, arm: _Arm) -> float:
-        return self.gain(arm.k, arm.nodes) / arm.cost if arm.cost > 0 else 0.0
+        """Committed tokens per second per row, at the last forward's rows (0 before calibration)."""
+        if self.model is None:
+            return 0.0
+        cost = arm.cost(self.model, self.rows_now)
+        return self.gain(arm.k, arm.nodes) / cost if cost > 0 else float("inf")
 
-    def observe(self, seconds: float, rows: int, accepted: list[int], tokens: int = 0) -> None:
-        """The forward chosen last took `seconds` (lookups, forward, verification) for `rows` rows,
-        accepted[i] of which had draft positions 0..i accepted, and committed `tokens` in all."""
+    def observe(
+        self, seconds: float, rows: int, accepted: list[int], tokens: int, positions: int, lookups: int
+    ) -> None:
+        """The forward chosen last took `seconds` (lookups, forward, verification; read only while
+        calibrating) for `rows` rows, scoring `positions` positions in all after `lookups` draft
+        lookups; accepted[i] rows had draft positions 0..i accepted, and it committed `tokens`."""
         i = self._pending
         arm = self.arms[i]
-        fade = DECAY ** (self.forwards - arm.last)  # by forwards elapsed: a rechecked arm's old cost fades
-        arm.tokens = fade * arm.tokens + tokens
         for p in range(len(self.offered) if not arm.nodes else 0):
             self.offered[p] = ACCEPT_DECAY * self.offered[p] + (rows if p < arm.k else 0)
             self.accepted[p] = ACCEPT_DECAY * self.accepted[p] + (accepted[p] if p < min(arm.k, len(accepted)) else 0)
-        arm.rows = fade * arm.rows + max(rows, 1)
-        arm.seconds = fade * arm.seconds + max(seconds, 1e-9)
-        arm.measured += 1
-        arm.last = self.forwards
+        work = Work(i, self.forwards, max(rows, 1), positions, lookups, tokens, seconds)
         self.forwards += 1
+        self.rows_now = work.rows
+        if self.model is None:
+            self.calibration.append(work)
+            self._calibrate()
+            return
+        self._account(work)
         best = self.arms[self.best]
         if i != self.best:
             self._probe_rows += rows
@@ -154,10 +305,41 @@ class DraftController:
                     self.best = n
                     break
 
+    def _account(self, w: Work) -> None:
+        """A forward's counted work and its tokens into its arm's decayed sums."""
+        arm = self.arms[w.arm]
+        fade = DECAY ** (w.forward - arm.last)  # by forwards elapsed: a rechecked arm's old work fades
+        arm.tokens = fade * arm.tokens + w.accepted_tokens
+        arm.rows = fade * arm.rows + w.rows
+        arm.positions = fade * arm.positions + w.positions
+        arm.lookups = fade * arm.lookups + w.lookups
+        arm.measured += 1
+        arm.last = w.forward
+
+    def _calibrate(self) -> None:
+        """Fit the cost model once the schedule has measured enough, then account the calibration
+        forwards with it and start from the best arm."""
+        cal = self.calibration
+        drafted = sum(w.positions > w.rows for w in cal)
+        if not ((len(cal) >= CALIBRATION and drafted >= CAL_DRAFTED) or len(cal) >= CAL_MAX):
+            return
+        self.model = fit_cost(cal)
+        if self.cache is not None:
+            self.model = self.cache.adopt(self.model)
+        for w in cal:
+            self._account(w)
+        rates = [self.rate(a) if a.measured else 0.0 for a in self.arms]
+        self.best = max(range(len(self.arms)), key=lambda j: (rates[j], -j))
+        for a in self.arms:
+            a.explore = EXPLORE_FIRST
+
     def summary(self) -> dict:
         """The decision and its inputs since the last call, for the metrics row."""
         n = max(1, len(self.chosen))
         out = {"draft_k_mean": sum(c.k for c in self.chosen) / n, "draft_k_best": self.arms[self.best].k}
+        out["draft_calibrated"] = int(self.model is not None)
+        if self.model is not None:
+            out.update({f"draft_cost_{name}": v for name, v in self.model._asdict().items()})
         if self.arms[-1].nodes:
             out["draft_tree_share"] = sum(c.nodes > 0 for c in self.chosen) / n
         out.update(
@@ -169,7 +351,8 @@ class DraftController:
         )
         best = self.arms[self.best]
         out["draft_k_gain"] = self.gain(best.k, best.nodes)  # expected tokens per row, best arm
-        out["draft_k_row_cost_s"] = best.cost  # measured seconds per row, best arm
+        if self.model is not None:  # modelled seconds per row, best arm
+            out["draft_k_row_cost_s"] = best.cost(self.model, self.rows_now)
         out.update(
             {f"draft_control_accept_pos{i}": a / d for i, (a, d) in enumerate(zip(self.accepted, self.offered)) if d}
         )
@@ -184,19 +367,31 @@ class DraftController:
             "probe_rows": self._probe_rows,
             "offered": list(self.offered),
             "accepted": list(self.accepted),
-            "arms": [[a.k, a.nodes, a.rows, a.seconds, a.tokens, a.measured, a.last, a.explore] for a in self.arms],
+            "rows_now": self.rows_now,
+            "arms": [
+                [a.k, a.nodes, a.rows, a.positions, a.lookups, a.tokens, a.measured, a.last, a.explore]
+                for a in self.arms
+            ],
+            "cost_model": list(self.model) if self.model is not None else None,
+            "calibration": [list(w) for w in self.calibration],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        saved = {(row[0], row[1]): row for row in state["arms"] if len(row) == 8}  # (older layouts: start afresh)
+        if "cost_model" not in state:
+            return  # an older layout, whose sums are measured seconds: calibrate afresh
+        saved = {(row[0], row[1]): row for row in state["arms"]}
         for a in self.arms:
             if (a.k, a.nodes) in saved:
-                _, _, a.rows, a.seconds, a.tokens, a.measured, a.last, a.explore = saved[(a.k, a.nodes)]
+                _, _, a.rows, a.positions, a.lookups, a.tokens, a.measured, a.last, a.explore = saved[(a.k, a.nodes)]
         n = len(self.offered)
         self.offered = (list(state.get("offered", [])) + [0.0] * n)[:n]
         self.accepted = (list(state.get("accepted", [])) + [0.0] * n)[:n]
         self.best = min(state["best"], len(self.arms) - 1)
         self.forwards = state["forwards"]
+        self.rows_now = state["rows_now"]
         probing = state.get("probing")
         self._probing = probing if probing is not None and probing < len(self.arms) else None
         self._probe_rows = state.get("probe_rows", 0)
+        model = state.get("cost_model")
+        self.model = CostModel(*model) if model is not None else None
+        self.calibration = [Work(*w) for w in state.get("calibration", []) if w[0] < len(self.arms)]

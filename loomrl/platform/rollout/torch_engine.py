@@ -15,9 +15,9 @@ k = 0 case of the same loop) and verifies the draft exactly:
   first mismatch is the bonus token. The committed tokens are distributed exactly as
   without drafting, and they do not depend on how many tokens each forward drafted:
   with the same seed, drafting on or off commits the same tokens;
-- how many tokens to draft is chosen per forward from measured rates
-  (`draft_control.DraftController`, `rollout.drafter.adaptive`), so drafting only runs
-  where it makes rollouts faster.
+- how many tokens to draft is chosen per forward from rates of counted work under a cost
+  model calibrated once per run (`draft_control.DraftController`, `rollout.drafter.adaptive`),
+  so drafting only runs where it makes rollouts faster, and seeded runs and resumes repeat.
 
 Reported log-probs are log_softmax(logits / T) of each committed token, the
 quantity the trainer recomputes (top-p changes what can be drawn, not the
@@ -27,6 +27,7 @@ reported value). Rejected draft tokens leave the KV cache after each forward
 
 from __future__ import annotations
 
+import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from loomrl.platform.backbone.vlm import VLM
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.config import DrafterConfig
-from loomrl.platform.rollout.draft_control import Choice, DraftController
+from loomrl.platform.rollout.draft_control import Choice, CostCache, DraftController
 from loomrl.platform.rollout.drafter import Draft, NgramDrafter, Tree
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
 from loomrl.platform.rollout.torch_memory import rollout_memory, sequence_length
@@ -75,7 +76,7 @@ def position_keyed_sample(probs: torch.Tensor, row_seeds: torch.Tensor, position
     this sample (accepted with probability p(x), as speculative sampling's min(1, p/q) with a
     deterministic draft, q = 1) and the sample at the first mismatch is the bonus token. The committed
     tokens are distributed as without drafting, and a seeded run's tokens do not depend on the draft
-    lengths the engine chose (which follow measured timings, `draft_control`)."""
+    lengths the engine chose (`draft_control`)."""
     x = row_seeds[:, None] + positions * _GOLDEN
     x = x ^ _shift_right(x, 30)
     x = x * _MIX1
@@ -176,15 +177,27 @@ class TorchRolloutEngine:
         self.drafter = NgramDrafter(self.drafter_cfg) if self.drafter_cfg else None
         self.prefetcher = FanoutPrefetcher(self.drafter_cfg.prefetch_budget) if self.drafter_cfg else None
         self._pool = ThreadPoolExecutor(1) if self.prefetcher and self.prefetcher.budget > 0 else None
-        # rollout.drafter.adaptive: each forward's draft length chosen by measured rate (draft_control.py)
+        # rollout.drafter.adaptive: each forward's draft length chosen by modelled rate (draft_control.py)
         self.tree_nodes = self.drafter_cfg.tree_nodes if self.drafter_cfg else 0
-        self.control = (
-            DraftController(self.drafter_cfg.k, self.tree_nodes)
-            if self.drafter_cfg and self.drafter_cfg.adaptive
-            else None
-        )
+        self.control = None
+        if self.drafter_cfg and self.drafter_cfg.adaptive:
+            cache = CostCache(self._workload()) if self.drafter_cfg.cost_cache else None
+            self.control = DraftController(self.drafter_cfg.k, self.tree_nodes, cache)
         self.last_stats = DraftStats()
         self.spec_metrics: dict = {}
+
+    def _workload(self) -> str:
+        """What a cost model depends on (draft_control.CostCache): engine, device and kernels, threads,
+        the model's shapes, the longest draft."""
+        dev = self.model.device
+        kind = torch.cuda.get_device_name(dev) if dev.type == "cuda" else torch.backends.cpu.get_cpu_capability()
+        shapes = hashlib.sha256(
+            repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()]).encode()
+        ).hexdigest()[:16]
+        cfg = self.drafter_cfg
+        return (
+            f"torch|{dev.type}|{kind}|threads={torch.get_num_threads()}|model={shapes}|k={cfg.k}|tree={cfg.tree_nodes}"
+        )
 
     # ------------------------------------------------------------------ drafting
 
@@ -258,7 +271,9 @@ class TorchRolloutEngine:
                 # this forward's lookups, forward and verification; indexing finished completions and
                 # new requests is paid once whatever the draft length, so it is left out of the comparison
                 now, indexed = time.perf_counter(), self.drafter.index_s
-                control.observe(now - t_step - (indexed - index_s), n, step.n_accepted, committed_now)
+                seconds = now - t_step - (indexed - index_s)  # read only while the controller calibrates
+                positions, lookups = n * len(step.committed[0]), len(drafts)
+                control.observe(seconds, n, step.n_accepted, committed_now, positions, lookups)
                 t_step, index_s = now, indexed
                 arm = control.choose()
             if self.drafter:

@@ -18,18 +18,18 @@ same controller as the built-in engine's (`draft_control.DraftController`): vLLM
 most k tokens per row (k = 0: every row's draft is empty, and vLLM then runs the step as
 plain decoding, at plain decoding's cost: measured, see `loomrl bench rollout`), and a row
 at most twice what its last draft got committed, as in the built-in engine. The
-proposer sees one step at a time, so a step's cost is the time from one `propose` call to
-the next (that step's forward, verification and scheduling, and the lookups), its rows the
-requests it drafted for, and their accepted drafts what the next call's sampled tokens say
-(accepted = sampled - 1). The first step of a batch and the gap between batches are not
-measured.
+proposer sees one step at a time, so a step's counted work is its rows (the requests it
+drafted for), its positions (each row's 1 + draft length) and its lookups, and their accepted
+drafts are what the next call's sampled tokens say (accepted = sampled - 1); while the controller
+calibrates, the step's measured time is the time from one `propose` call to the next (that step's
+forward, verification and scheduling, and the lookups). The first step of a batch and the gap
+between batches are not counted.
 
 Unlike the built-in engine (position-keyed samples), vLLM's rejection sampler draws a sampled
 token differently at each draft length: the distribution is the same, the token for a seed is not.
-So when sampling, the adaptive draft length (which follows timings) makes two runs of one seed, or
-a run and its resume, commit other tokens from the first step whose chosen length differs.
-`rollout.drafter.adaptive: false` (a fixed k) keeps seeded vLLM runs reproducible; greedy runs are
-reproducible either way.
+That is why the controller decides from counted work with a cost model fitted once and kept in
+the checkpoint (`draft_control`): a resumed run chooses the draft lengths of the uninterrupted
+one, and so commits its tokens.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Optional
 
 from loomrl.platform.rollout import vllm_shims
 from loomrl.platform.rollout.config import DrafterConfig
-from loomrl.platform.rollout.draft_control import DraftController
+from loomrl.platform.rollout.draft_control import CostCache, DraftController
 from loomrl.platform.rollout.drafter import DraftState, NgramDrafter
 
 REQUEST_ID = re.compile(r"lrl:(\d+):(\d+):(\d+)")
@@ -57,6 +57,11 @@ class NgramRLProposer:
         vllm_shims.fix_spec_sampling()
         vllm_shims.plain_sampling_without_drafts()  # a step the controller runs plain costs a plain step
         self.k = vllm_config.speculative_config.num_speculative_tokens
+        m = vllm_config.model_config  # what a cost model depends on (draft_control.CostCache)
+        self.workload = (
+            f"vllm|{vllm_config.device_config.device_type}|{m.model}|hidden={m.get_hidden_size()}"
+            f"|layers={m.hf_text_config.num_hidden_layers}|{m.dtype}|k={self.k}"
+        )
         self.drafter: Optional[NgramDrafter] = None
         self.control: Optional[DraftController] = None  # rollout.drafter.adaptive
         self.runner = None
@@ -65,7 +70,8 @@ class NgramRLProposer:
         self.states: dict[str, DraftState] = {}  # request id -> its draft state
         self.caps: dict[str, int] = {}  # request id -> its longest next draft (adaptive)
         self.tally = _tally(self.k)  # drafts verified since the last `rpc_end_batch`
-        self._step: Optional[tuple[float, dict[str, int]]] = None  # last step: its start, draft length per request
+        # the last step: its start, draft length per request, lookups
+        self._step: Optional[tuple[float, dict[str, int], int]] = None
 
     def load_model(self, *args, **kwargs) -> None:
         """No model: the drafter lives on the host, built from finished rollouts."""
@@ -88,7 +94,8 @@ class NgramRLProposer:
     def _build(self, cfg: DrafterConfig) -> None:
         if self.drafter is None:
             self.drafter = NgramDrafter(cfg)
-            self.control = DraftController(self.k) if cfg.adaptive else None
+            cache = CostCache(self.workload) if cfg.cost_cache else None
+            self.control = DraftController(self.k, cache=cache) if cfg.adaptive else None
 
     def propose(
         self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **kwargs
@@ -96,7 +103,7 @@ class NgramRLProposer:
         now = time.perf_counter()
         req_ids = self.runner.input_batch.req_ids if self.runner is not None else []
         if self._step is not None:
-            self._account(now - self._step[0], self._step[1], req_ids, sampled_token_ids)
+            self._account(now - self._step[0], self._step[1], self._step[2], req_ids, sampled_token_ids)
         k = self.control.choose().k if self.control is not None else self.k
         lengths_before = self._step[1] if self._step is not None else {}
         if k == 0:  # plain decoding this step: no lookups, and a request's state catches up when it next drafts
@@ -105,10 +112,11 @@ class NgramRLProposer:
                 for rid, sampled in zip(req_ids, sampled_token_ids)
                 if len(sampled) and (rid in lengths_before or self._ours(rid))
             }
-            self._step = (now, lengths)
+            self._step = (now, lengths, 0)
             return [[] for _ in sampled_token_ids]
         drafts: list[list[int]] = []
         lengths: dict[str, int] = {}  # request id -> its draft length this step
+        lookups = 0
         for i, sampled in enumerate(sampled_token_ids):
             state = self._state(req_ids[i] if i < len(req_ids) else None)
             if state is None or not len(sampled):
@@ -122,27 +130,29 @@ class NgramRLProposer:
                 self.caps[rid] = 2 * len(sampled)  # what its last draft got committed
             n_draft = min(k, self.caps.get(rid, k))
             drafts.append(self.drafter.propose(state, n_draft).tokens if n_draft > 0 else [])
+            lookups += n_draft > 0
             lengths[rid] = len(drafts[-1])
         for rid in [r for r in self.states if r not in lengths]:
             del self.states[rid]  # finished requests
             self.caps.pop(rid, None)
-        self._step = (now, lengths)
+        self._step = (now, lengths, lookups)
         return drafts
 
-    def _account(self, seconds: float, lengths: dict[str, int], req_ids, sampled_token_ids) -> None:
+    def _account(self, seconds: float, lengths: dict[str, int], lookups: int, req_ids, sampled_token_ids) -> None:
         """The last step's drafts as verified (this call's sampled tokens: vLLM learns that a request
         finished only after this call, so its last step is here too): counted into `tally`, and,
         with `adaptive`, the controller's view of the step: its rows, their accepted drafts, its time."""
         if not any(lengths.values()) and self.control is None:
             return
         accepted = [0] * self.k  # rows with draft positions 0..i accepted
-        rows = tokens = 0
+        rows = tokens = positions = 0
         t = self.tally
         for i, sampled in enumerate(sampled_token_ids):
             rid = req_ids[i] if i < len(req_ids) else None
             if rid in lengths:
                 rows += 1
                 tokens += len(sampled)
+                positions += 1 + lengths[rid]
                 a = min(len(sampled) - 1, lengths[rid])
                 for p in range(a):
                     accepted[p] += 1
@@ -153,7 +163,7 @@ class NgramRLProposer:
         for p in range(self.k):
             t["accepted_per_pos"][p] += accepted[p]
         if self.control is not None and rows:
-            self.control.observe(seconds, rows, accepted, tokens)
+            self.control.observe(seconds, rows, accepted, tokens, positions, lookups)
 
     def _ours(self, rid: str) -> Optional[re.Match]:
         """A request of loomrl's current batch (its id parsed), or None."""
