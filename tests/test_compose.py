@@ -85,7 +85,6 @@ def command(out: Path, shards: Path, extra: list[str], *options: str) -> tuple[l
         "rollout.drafter.compare_every=0",
         "logging.tensorboard=false",
         "goal=null",
-        "rollout.drafter.adaptive=false",  # adaptive draft lengths follow timings, and so do forward shapes
         "algorithm.reward=rewards_for_tests:distinct_words",
         *extra,
         *options,
@@ -165,7 +164,6 @@ def test_qwen2_vl_checkpoint_with_vllm_rollouts_and_drafting(tmp_path, demo_shar
         [
             "rollout.engine=vllm",
             "rollout.drafter.enabled=true",
-            "rollout.drafter.adaptive=false",
             f"model.init_from={folder}",
             f"model.tokenizer={folder}",
             *OVERRIDES,

@@ -119,7 +119,6 @@ def cli(tmp: Path, out: str, *extra: str) -> int:
             "checkpoint.every=1",
             "checkpoint.keep_last=3",
             "rollout.drafter.compare_every=0",
-            "rollout.drafter.adaptive=false",  # bit-identical resume (docs/running.md)
             "logging.tensorboard=false",
             "goal=null",
             "training.threads=1",

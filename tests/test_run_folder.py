@@ -115,8 +115,7 @@ def test_a_signal_during_the_warm_up_checkpoints_it_and_resume_continues_exactly
         "training.warmup.batch_size=4",
         "training.steps=2",
         "algorithm.reward=rewards_for_tests:distinct_words",
-        "rollout.drafter.adaptive=false",
-    )  # adaptive draft lengths follow timings, and so do the drafting metrics
+    )
     full = cli(tmp_path / "full", d, *opts)
     assert full.returncode == 0, full.stderr[-3000:]
     out = tmp_path / "cut"
