@@ -2,6 +2,7 @@
 long draft where drafting pays, and spends few forwards on arms that do not; and the draft lengths
 it chooses leave the sampled tokens, and so their distribution, as without drafting."""
 
+import json
 import random
 
 import pytest
@@ -11,7 +12,15 @@ from model_probs import prefix_probs
 
 from loomrl.platform.recipe import DrafterConfig, ModelConfig
 from loomrl.platform.rollout.base import Prompt, SamplingParams
-from loomrl.platform.rollout.draft_control import CALIBRATION, EXPLORE_MAX, Choice, CostModel, DraftController, arms
+from loomrl.platform.rollout.draft_control import (
+    CALIBRATION,
+    EXPLORE_MAX,
+    Choice,
+    CostCache,
+    CostModel,
+    DraftController,
+    arms,
+)
 from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 
 ROWS = 100
@@ -255,3 +264,27 @@ def test_sampled_tokens_follow_the_model_probabilities_under_the_controller(peak
     assert eng.control.used == set(CYCLE) and accepted > 500  # drafting really happened, every arm
     exact = prefix_probs(peaky_model, prompt[0].ids, 4, 1.5, 0.9, min_p=1 / 1500)
     assert_fits(counts, exact, 1500, "first 4 tokens", min_df=10)
+
+
+def test_the_first_fit_of_a_workload_is_adopted_by_later_runs(tmp_path):
+    """The machine's cache keeps the first fit per workload; a second controller of that workload,
+    calibrated on another clock, adopts it at the end of the same schedule; another workload fits
+    its own; a damaged cache is started again, an unusable one leaves the run its own fit."""
+    path = tmp_path / "draft_cost.json"
+    a = DraftController(8, cache=CostCache("w1", path))
+    b = DraftController(8, cache=CostCache("w1", path))
+    other = DraftController(8, cache=CostCache("w2", path))
+    run(a, LOOKUP_BOUND, 0.3, CALIBRATION, seed=1)
+    run(b, LOOKUP_BOUND, 0.3, CALIBRATION, seed=2)
+    run(other, LOOKUP_BOUND, 0.3, CALIBRATION, seed=2)
+    assert a.model == b.model != other.model
+    assert set(json.loads(path.read_text())) == {"w1", "w2"}
+    path.write_text("{not json")
+    c = DraftController(8, cache=CostCache("w1", path))
+    run(c, LOOKUP_BOUND, 0.3, CALIBRATION, seed=3)
+    assert c.model != a.model and list(json.loads(path.read_text())) == ["w1"]
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    d = DraftController(8, cache=CostCache("w1", blocked / "draft_cost.json"))  # its folder is a file
+    run(d, LOOKUP_BOUND, 0.3, CALIBRATION, seed=4)
+    assert d.model is not None and d.model != a.model

@@ -98,7 +98,7 @@ class Work(NamedTuple):
     rows: int
     positions: int
     lookups: int
-    accepted_tokens: int  # tokens committed (a tree arm's own gain)
+    tokens: int  # tokens committed (a tree arm's own gain)
     seconds: float
 
 
@@ -309,7 +309,7 @@ class DraftController:
         """A forward's counted work and its tokens into its arm's decayed sums."""
         arm = self.arms[w.arm]
         fade = DECAY ** (w.forward - arm.last)  # by forwards elapsed: a rechecked arm's old work fades
-        arm.tokens = fade * arm.tokens + w.accepted_tokens
+        arm.tokens = fade * arm.tokens + w.tokens
         arm.rows = fade * arm.rows + w.rows
         arm.positions = fade * arm.positions + w.positions
         arm.lookups = fade * arm.lookups + w.lookups
