@@ -202,16 +202,11 @@ class _Arm:
     explore: int = EXPLORE_FIRST
 
     def cost(self, model: CostModel, rows: int) -> float:
-        """Modelled seconds per row of a forward of `rows` rows on this arm (unmeasured: every row
-        drafts its full length)."""
-        width, lookups = (
-            (self.positions / self.rows, self.lookups / self.rows)
-            if self.rows
-            else (
-                1 + (self.nodes or self.k),
-                float(self.k > 0),
-            )
-        )
+        """Modelled seconds per row of a forward of `rows` rows on this arm."""
+        if self.rows:
+            width, lookups = self.positions / self.rows, self.lookups / self.rows
+        else:  # unmeasured: every row drafts its full length
+            width, lookups = 1 + (self.nodes or self.k), float(self.k > 0)
         return model.seconds(rows, rows * width, rows * lookups) / rows
 
 
