@@ -377,7 +377,8 @@ class TorchRolloutEngine:
             d.mask, d.cache = drop_rejected(d.mask, d.cache, col0, 1 + j, path)
         # what the host needs of this forward, in one copy: per row j and the committed
         # tokens with their log-probs, per draft position the drafted and accepted counts
-        levels = torch.arange(1, k + 1, device=dev)[None] if k else torch.zeros((1, 0), device=dev)
+        per_pos = k if width > 1 else 0  # a forward without drafts drafted and accepted nothing
+        levels = torch.arange(1, per_pos + 1, device=dev)[None]
         n_drafted = (depth.amax(dim=1)[:, None] >= levels).sum(dim=0)
         n_accepted = (j[:, None] >= levels).sum(dim=0)
         host = to_host(
@@ -391,8 +392,8 @@ class TorchRolloutEngine:
                 dim=1,
             )
         )
-        n_drafted = host[0, 1 + 2 * width : 1 + 2 * width + k].long().tolist()
-        n_accepted = host[0, 1 + 2 * width + k :].long().tolist()
+        n_drafted = host[0, 1 + 2 * width : 1 + 2 * width + per_pos].long().tolist() + [0] * (k - per_pos)
+        n_accepted = host[0, 1 + 2 * width + per_pos :].long().tolist() + [0] * (k - per_pos)
         for pos in range(k):
             stats.drafted_by_pos[pos] += n_drafted[pos]
             stats.accepted_by_pos[pos] += n_accepted[pos]
@@ -552,27 +553,25 @@ def _step_columns(d: _Decoding, drafts: dict, tree: bool, pad_token_id: int):
     the row's last token; column c > 0 is draft token c - 1, whose parent column is parent[c] and
     which sits depth[c] positions after column 0 (a single draft: c - 1 and c). Returns (ids, mask,
     draft, parent, depth, counts of completion tokens so far, width)."""
-    n = len(d.live)
     width = 1 + max((len(drafts[i].tokens) for i in d.live if i in drafts), default=0)
-    step_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    step_mask = torch.zeros((n, width), dtype=torch.long)
-    draft = torch.full((n, width), -1, dtype=torch.long)
-    parent = torch.arange(width).repeat(n, 1)  # padding columns: their own parent, depth 0
-    depth = torch.zeros((n, width), dtype=torch.long)
-    counts = torch.tensor([[len(d.tokens[i])] for i in d.live], dtype=torch.long)
-    for r, i in enumerate(d.live):
+    rows = []  # per live row: ids, mask, draft, parent, depth (width each), then its count
+    for i in d.live:
         dr = drafts[i] if i in drafts else Tree()
-        m = len(dr.tokens)
-        step_ids[r, : 1 + m] = torch.tensor([d.tokens[i][-1]] + dr.tokens)
-        step_mask[r, : 1 + m] = 1
-        draft[r, 1 : 1 + m] = torch.tensor(dr.tokens, dtype=torch.long)
+        m, pad = len(dr.tokens), width - 1 - len(dr.tokens)
+        tokens = list(dr.tokens)
         if tree:
-            parent[r, 1 : 1 + m] = torch.tensor(dr.parents, dtype=torch.long) + 1
-            depth[r, 1 : 1 + m] = torch.tensor(dr.depths(), dtype=torch.long)
+            parents, depths = [p + 1 for p in dr.parents], dr.depths()
         else:
-            parent[r, 1 : 1 + m] = torch.arange(m)
-            depth[r, 1 : 1 + m] = torch.arange(1, m + 1)
-    step = to_device(torch.cat([step_ids, step_mask, draft, parent, depth, counts], dim=1), d.mask.device)
+            parents, depths = list(range(m)), list(range(1, m + 1))
+        rows.append(
+            [d.tokens[i][-1], *tokens, *[pad_token_id] * pad]
+            + [1] * (1 + m) + [0] * pad
+            + [-1, *tokens, *[-1] * pad]
+            + [0, *parents, *range(1 + m, width)]  # padding columns: their own parent, depth 0
+            + [0, *depths, *[0] * pad]
+            + [len(d.tokens[i])]
+        )
+    step = to_device(torch.tensor(rows, dtype=torch.long), d.mask.device)
     return (*step.split([width] * 5 + [1], dim=1), width)
 
 

@@ -142,7 +142,11 @@ class NgramRLProposer:
         """The last step's drafts as verified (this call's sampled tokens: vLLM learns that a request
         finished only after this call, so its last step is here too): counted into `tally`, and,
         with `adaptive`, the controller's view of the step: its rows, their accepted drafts, its time."""
-        if not any(lengths.values()) and self.control is None:
+        if not any(lengths.values()):  # a plain step: nothing to tally, its rows and tokens for the controller
+            if self.control is not None:
+                counted = [len(s) for rid, s in zip(req_ids, sampled_token_ids) if rid in lengths]
+                if counted:
+                    self.control.observe(seconds, len(counted), [0] * self.k, sum(counted), len(counted), lookups)
             return
         accepted = [0] * self.k  # rows with draft positions 0..i accepted
         rows = tokens = positions = 0
