@@ -565,7 +565,7 @@ def _step_columns(d: _Decoding, drafts: dict, tree: bool, pad_token_id: int):
             parents, depths = list(range(m)), list(range(1, m + 1))
         rows.append(
             [d.tokens[i][-1], *tokens, *[pad_token_id] * pad]
-            + [1] * (1 + m) + [0] * pad
+            + [*[1] * (1 + m), *[0] * pad]
             + [-1, *tokens, *[-1] * pad]
             + [0, *parents, *range(1 + m, width)]  # padding columns: their own parent, depth 0
             + [0, *depths, *[0] * pad]
