@@ -2,6 +2,7 @@
 long draft where drafting pays, and spends few forwards on arms that do not; and the draft lengths
 it chooses leave the sampled tokens, and so their distribution, as without drafting."""
 
+import fcntl
 import json
 import random
 
@@ -11,6 +12,7 @@ from chi_square import assert_fits, tally_prefixes
 from model_probs import prefix_probs
 
 from loomrl.platform.recipe import DrafterConfig, ModelConfig
+from loomrl.platform.rollout import draft_control
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.draft_control import (
     CALIBRATION,
@@ -266,10 +268,12 @@ def test_sampled_tokens_follow_the_model_probabilities_under_the_controller(peak
     assert_fits(counts, exact, 1500, "first 4 tokens", min_df=10)
 
 
-def test_the_first_fit_of_a_workload_is_adopted_by_later_runs(tmp_path):
+def test_the_first_fit_of_a_workload_is_adopted_by_later_runs(tmp_path, monkeypatch):
     """The machine's cache keeps the first fit per workload; a second controller of that workload,
     calibrated on another clock, adopts it at the end of the same schedule; another workload fits
-    its own; a damaged cache is started again, an unusable one leaves the run its own fit."""
+    its own; a damaged cache is moved aside and started again, an entry that is not a cost model
+    (negative, not finite, booleans) is fitted again, and a cache that cannot be written or locked
+    leaves the run its own fit."""
     path = tmp_path / "draft_cost.json"
     a = DraftController(8, cache=CostCache("w1", path))
     b = DraftController(8, cache=CostCache("w1", path))
@@ -283,6 +287,18 @@ def test_the_first_fit_of_a_workload_is_adopted_by_later_runs(tmp_path):
     c = DraftController(8, cache=CostCache("w1", path))
     run(c, LOOKUP_BOUND, 0.3, CALIBRATION, seed=3)
     assert c.model != a.model and list(json.loads(path.read_text())) == ["w1"]
+    assert path.with_suffix(".damaged").read_text() == "{not json"  # kept for a look, not lost
+    for bad in ([1.0, -1.0, 0.0, 0.0], [1.0, float("nan"), 0.0, 0.0], [True, 0.0, 0.0, 0.0], [1.0, 0.0]):
+        path.write_text(json.dumps({"w1": bad}))
+        e = DraftController(8, cache=CostCache("w1", path))
+        run(e, LOOKUP_BOUND, 0.3, CALIBRATION, seed=3)
+        assert e.model == c.model and json.loads(path.read_text())["w1"] == list(c.model), bad
+    monkeypatch.setattr(draft_control, "LOCK_WAIT_S", 0.2)
+    with open(path.with_suffix(".lock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process holds the lock and never lets go
+        f = DraftController(8, cache=CostCache("w2", path))
+        run(f, LOOKUP_BOUND, 0.3, CALIBRATION, seed=5)
+    assert f.model is not None and f.model != other.model and "w2" not in json.loads(path.read_text())
     blocked = tmp_path / "file"
     blocked.write_text("")
     d = DraftController(8, cache=CostCache("w1", blocked / "draft_cost.json"))  # its folder is a file

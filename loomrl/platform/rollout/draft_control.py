@@ -58,7 +58,9 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -163,21 +165,19 @@ class CostCache:
 
     def adopt(self, fitted: CostModel) -> CostModel:
         """The stored model of this workload, or `fitted`, stored now (under a lock: concurrent runs
-        adopt one fit). A cache that cannot be read or written is left alone: `fitted` is used."""
+        adopt one fit). A damaged cache file is moved aside (`.damaged`) and started again; a cache
+        that cannot be read, written or locked within LOCK_WAIT_S is left alone: `fitted` is used."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path.with_suffix(".lock"), "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                try:
-                    stored = json.loads(self.path.read_text()) if self.path.exists() else {}
-                except (ValueError, OSError):
-                    stored = {}  # a damaged cache: start it again
-                if not isinstance(stored, dict):
-                    stored = {}
+                _lock(lock)
+                stored = self._read()
                 row = stored.get(self.key)
-                if isinstance(row, list) and len(row) == 4 and all(isinstance(v, (int, float)) for v in row):
+                if _valid(row):
                     log.info("draft cost model: adopted the first fit of this workload from %s", self.path)
                     return CostModel(*map(float, row))
+                if row is not None:
+                    log.warning("draft cost model: %s: unusable entry for this workload, fitted again", self.path)
                 stored[self.key] = list(fitted)
                 stored = dict(list(stored.items())[-CACHE_KEYS:])
                 tmp = self.path.with_suffix(".tmp")
@@ -187,6 +187,45 @@ class CostCache:
         except OSError as e:
             log.warning("draft cost model: cache %s not usable (%s); this run's fit is used", self.path, e)
         return fitted
+
+    def _read(self) -> dict:
+        """The cache's workloads; a file that is not a JSON object is moved aside, with a warning."""
+        if not self.path.exists():
+            return {}
+        try:
+            stored = json.loads(self.path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            stored = None
+        if isinstance(stored, dict):
+            return stored
+        aside = self.path.with_suffix(".damaged")
+        os.replace(self.path, aside)
+        log.warning("draft cost model: %s is damaged; moved to %s and started again", self.path, aside)
+        return {}
+
+
+LOCK_WAIT_S = 30.0  # a cache lock held longer than this (a stuck process): the run uses its own fit
+
+
+def _lock(f) -> None:
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise OSError(f"lock {f.name} held for over {LOCK_WAIT_S:.0f} s") from None
+            time.sleep(0.05)
+
+
+def _valid(row) -> bool:
+    """A stored cost model: four finite, non-negative numbers (not booleans)."""
+    return (
+        isinstance(row, list)
+        and len(row) == 4
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in row)
+    )
 
 
 @dataclass

@@ -187,8 +187,8 @@ class TorchRolloutEngine:
         self.spec_metrics: dict = {}
 
     def _workload(self) -> str:
-        """What a cost model depends on (draft_control.CostCache): engine, device and kernels, threads,
-        the model's shapes, the longest draft."""
+        """What a cost model depends on (draft_control.CostCache): engine, torch version, device and
+        kernels, threads, the model's shapes, the longest draft, trees, the prefetch thread."""
         dev = self.model.device
         kind = torch.cuda.get_device_name(dev) if dev.type == "cuda" else torch.backends.cpu.get_cpu_capability()
         shapes = hashlib.sha256(
@@ -196,7 +196,8 @@ class TorchRolloutEngine:
         ).hexdigest()[:16]
         cfg = self.drafter_cfg
         return (
-            f"torch|{dev.type}|{kind}|threads={torch.get_num_threads()}|model={shapes}|k={cfg.k}|tree={cfg.tree_nodes}"
+            f"torch|{torch.__version__}|{dev.type}|{kind}|threads={torch.get_num_threads()}|model={shapes}"
+            f"|k={cfg.k}|tree={cfg.tree_nodes}|prefetch={cfg.prefetch_budget}"
         )
 
     # ------------------------------------------------------------------ drafting

@@ -38,6 +38,8 @@ import re
 import time
 from typing import Optional
 
+import torch
+
 from loomrl.platform.rollout import vllm_shims
 from loomrl.platform.rollout.config import DrafterConfig
 from loomrl.platform.rollout.draft_control import CostCache, DraftController
@@ -58,8 +60,13 @@ class NgramRLProposer:
         vllm_shims.plain_sampling_without_drafts()  # a step the controller runs plain costs a plain step
         self.k = vllm_config.speculative_config.num_speculative_tokens
         m = vllm_config.model_config  # what a cost model depends on (draft_control.CostCache)
+        import vllm
+
+        device = vllm_config.device_config.device_type
+        if device == "cuda":
+            device = torch.cuda.get_device_name()
         self.workload = (
-            f"vllm|{vllm_config.device_config.device_type}|{m.model}|hidden={m.get_hidden_size()}"
+            f"vllm|{vllm.__version__}|torch={torch.__version__}|{device}|{m.model}|hidden={m.get_hidden_size()}"
             f"|layers={m.hf_text_config.num_hidden_layers}|{m.dtype}|k={self.k}"
         )
         self.drafter: Optional[NgramDrafter] = None
