@@ -87,8 +87,9 @@ def test_kill_then_resume_matches_uninterrupted(baseline, point):
 
 
 def test_a_second_run_of_the_seed_repeats_the_first(baseline):
-    """Adaptive drafting (the default) chooses draft lengths from counted work under a cost model fitted
-    on each run's own clock: a second run chooses alike, forward widths and log-probs included."""
+    """Adaptive drafting (the default) chooses draft lengths from counted work under a cost model: the
+    first run fits it on its clock and keeps it in the machine's cache, the second adopts that fit
+    (`draft_control.CostCache`), so it chooses alike, forward widths and log-probs included."""
     tmp, full = baseline
     again = cli(tmp, "again")
     assert again.returncode == 0, again.stderr[-2000:]
