@@ -20,8 +20,8 @@ def test_identical_logprobs_give_weight_one_and_the_uncorrected_loss(mode):
     adv = torch.randn(3, generator=g)
     w, stats = importance_weights(old, old.clone(), mask, mode, cap=2.0, low=0.5, high=2.0)
     assert torch.equal(w, mask)  # exactly 1 on every token (0 off the mask)
-    assert stats["is_clipped"] == stats["is_masked"] == 0 and stats["is_ratio_max"] == 1.0
-    assert stats["is_ratio_sum"] == float(mask.sum())
+    assert stats["is_clipped"] == stats["is_masked"] == stats["is_outside"] == 0 and stats["is_ratio_max"] == 1.0
+    assert stats["is_ratio_sum"] == float(mask.sum()) and stats["is_kl"] == 0.0
     plain, _ = policy_loss(logp, old, adv, mask, 0.2, float(mask.sum()))
     corrected, _ = policy_loss(logp, old, adv, mask, 0.2, float(mask.sum()), weights=w)
     assert torch.equal(plain, corrected)
@@ -43,6 +43,15 @@ def test_truncate_clips_the_known_share():
     torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 0.25, 1.5, 2.0], [0.4, 1, 1, 0, 0]]))
     assert stats["is_ratio_max"] == pytest.approx(3.0)
     assert stats["is_ratio_sum"] == pytest.approx(1 + 3 + 0.25 + 1.5 + 2.5 + 0.4 + 1 + 1)
+
+
+@pytest.mark.parametrize("mode", ["none", "truncate", "mask"])
+def test_every_mode_reports_the_kl_and_the_share_outside_the_band(mode):
+    old, rollout = perturbed()
+    _, stats = importance_weights(old, rollout, MASK, mode, cap=2.0, low=0.5, high=2.0)
+    assert stats["is_outside"] == 4  # 3.0, 0.25, 2.5, 0.4 (the 10.0 and 0.01 are padding)
+    on = [1.0, 3.0, 0.25, 1.5, 2.5, 0.4, 1.0, 1.0]
+    assert stats["is_kl"] == pytest.approx(sum(r - 1 - math.log(r) for r in on), rel=1e-6)
 
 
 def test_mask_drops_the_known_share():

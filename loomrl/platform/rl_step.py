@@ -215,6 +215,8 @@ class RLSteps:
                 "is_ratio_max": is_max,
                 "is_clipped_frac": totals["is_clipped"] / tokens,
                 "is_masked_frac": totals["is_masked"] / tokens,
+                "is_outside_frac": totals["is_outside"] / tokens,  # outside [low, high], whatever the mode
+                "rollout_kl": totals["is_kl"] / tokens,  # KL(rollout || trainer), k3 on the sampled tokens
             }
         )
         names = sorted({n for t in trajs for n in t.reward_parts})

@@ -13,6 +13,11 @@ weights the PPO/GRPO surrogate:
 - mask:     w = ratio inside [low, high], 0 outside: tokens whose ratio leaves the band
             are dropped from the gradient (masked importance sampling, as IcePop in
             Ling Team 2025, "Every step evolves"; verl's rollout_is mask mode).
+
+Whatever the mode, two figures say how far off-policy the tokens are: the KL(rollout || trainer)
+estimated on the sampled tokens with the non-negative k3 estimator E[r - 1 - log r] (the same as
+`mismatch.mismatch`), and the share of tokens whose ratio leaves the band [low, high] (the
+tokens mask mode would drop).
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ def importance_weights(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token weights [B, T] (no gradient) and sums over the masked tokens:
     is_ratio_sum, is_clipped (ratio > cap, truncate mode), is_masked (outside the band,
-    mask mode), and is_ratio_max (a max, not a sum)."""
+    mask mode), is_outside (outside the band, every mode), is_kl (the k3 terms r - 1 - log r),
+    and is_ratio_max (a max, not a sum)."""
     mask = mask.float()
-    ratio = torch.exp(old_logp.detach() - rollout_logp.detach())
+    log_ratio = old_logp.detach() - rollout_logp.detach()
+    ratio = torch.exp(log_ratio)
     on = mask > 0
+    outside = ((ratio < low) | (ratio > high)) & on
     clipped = torch.zeros_like(on)
     masked = torch.zeros_like(on)
     if mode == "none":
@@ -44,7 +52,7 @@ def importance_weights(
         clipped = (ratio > cap) & on
         w = ratio.clamp(max=cap)
     elif mode == "mask":
-        masked = ((ratio < low) | (ratio > high)) & on
+        masked = outside
         w = ratio.masked_fill(masked, 0.0)
     else:
         raise ValueError(f"unknown importance correction mode {mode!r}")
@@ -53,5 +61,7 @@ def importance_weights(
         "is_ratio_max": float(ratio[on].max()) if on.any() else 1.0,
         "is_clipped": float(clipped.sum()),
         "is_masked": float(masked.sum()),
+        "is_outside": float(outside.sum()),
+        "is_kl": float(((ratio - 1 - log_ratio) * mask).sum()),
     }
     return w * mask, stats
