@@ -180,4 +180,17 @@ def _qwen3_vl(folder, words=(), chat_template=None):
             if name.endswith("norm.weight"):
                 p.normal_(1.0, 0.3)
     model.save_pretrained(folder)
+    # 64x64 .. 128x128 pixels -> 2x2 .. 4x4 merged tokens (patch 16, merge 2); Qwen3-VL's 0.5 mean / std
+    pre = {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "processor_class": "Qwen3VLProcessor",
+        "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+    }
+    with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
+        json.dump(pre, f)
     return model

@@ -5,6 +5,8 @@ interleaved M-RoPE, and DeepStack features added after the first layers. Each ch
 the same forward without DeepStack, or with M-RoPE in blocks, gives other logits. In BF16 the
 q/k norm's `native` region is transformers' module bit for bit."""
 
+import json
+
 import pytest
 import torch
 from qwen_checkpoints import QWEN3_TEXT, _qwen3_vl
@@ -37,12 +39,10 @@ def _inputs(hidden, levels=2, seed=0):
 
 def test_config_has_what_qwen3_adds(checkpoint):
     folder, hf = checkpoint
-    cfg = decoder_config(hf.config.to_dict(), "config.json", ("qwen3_vl",))
+    cfg = decoder_config(hf.config.to_dict(), "config.json")
     assert (cfg.head_dim, cfg.hidden_size // cfg.num_heads) == (64, 48)
     assert (cfg.qkv_bias, cfg.o_bias, cfg.qk_norm, cfg.mrope_interleaved) == (False, False, True, True)
     assert cfg.mrope_section == QWEN3_TEXT["rope_parameters"]["mrope_section"]
-    with pytest.raises(ValueError, match="only its language model loads so far"):
-        decoder_config(hf.config.to_dict(), "config.json")  # not yet a policy
 
 
 def test_logits_equal_transformers_with_deepstack_and_interleaved_mrope(checkpoint):
@@ -105,3 +105,175 @@ def test_bf16_native_qk_norm_is_transformers_bit_for_bit():
         assert torch.equal(R.rms_norm(x, norm.weight, 1e-6, "native")[0], norm(x))
         assert torch.equal(R.rms_norm(x, norm.weight, 1e-6, "vllm")[0], norm(x))  # vLLM's rms_norm: native
         assert not torch.equal(R.rms_norm(x, norm.weight, 1e-6, "aligned")[0], norm(x))
+
+
+# --------------------------------------------------------------------------- the policy
+
+
+@pytest.fixture(scope="module")
+def policy(checkpoint):
+    from loomrl.platform.backbone.hf_config import fill_from_checkpoint
+    from loomrl.platform.backbone.tokenizer import load_tokenizer
+    from loomrl.platform.backbone.vlm import build_policy
+    from loomrl.platform.recipe import ModelConfig
+
+    folder, hf = checkpoint
+    m = ModelConfig(init_from=str(folder))
+    fill_from_checkpoint(m, {"init_from": str(folder)})  # sizes, tower, pixel bounds, mean / std
+    tok = load_tokenizer(str(folder))
+    return m, tok, build_policy(m, tok, seed=0).eval()
+
+
+def _png(seed, h, w):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8")).save(buf, "PNG")
+    return buf.getvalue()
+
+
+PROMPTS = [
+    ("w1 w2 w3", []),
+    ("w1 <image> w2", [(0, 64, 96)]),
+    ("w1 <image> w2 w3 <image> w4", [(1, 70, 120), (2, 128, 64)]),
+]
+
+
+@pytest.mark.parametrize("text, images", PROMPTS, ids=["text", "one-image", "two-images"])
+def test_policy_logprobs_equal_transformers(checkpoint, policy, text, images):
+    from loomrl.encoders.base import load_medium
+
+    folder, hf = checkpoint
+    m, tok, model = policy
+    assert m.vision.image_mean == [0.5] * 3 and (m.vision.patch_size, m.vision.embed_dim) == (16, 32)
+    media = [load_medium("image", _png(seed, h, w), m) for seed, h, w in images]
+    ids = torch.tensor([model.prompt_ids(tok, text, media) + tok("w5 w6 w7 w8", add_special_tokens=False)["input_ids"]])
+    inputs = dict(
+        input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == hf.config.image_token_id).long()
+    )
+    if media:
+        inputs.update(
+            pixel_values=torch.cat([x.features for x in media]), image_grid_thw=torch.stack([x.grid for x in media])
+        )
+    with torch.no_grad():
+        got, _ = model.sequence_logprobs(ids, torch.ones_like(ids), [media])
+        logits = hf(**inputs).logits[0, :-1]
+    logits[:, model.banned_token_ids] = float("-inf")
+    want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+    scored = ~torch.isin(ids[0, 1:], model.banned_token_ids)
+    assert (got[0][scored] - want[scored]).abs().max() < 1e-4
+    if media:  # the check can fail: the same prompt without DeepStack scores differently
+        encodings = model.encode_media(media)
+        embeds, deepstack = model.embed_inputs(ids, [media], encodings)
+        assert deepstack is not None and len(deepstack[1]) == 2
+        positions, _ = model.position_ids(ids, torch.ones_like(ids), [media])
+        with torch.no_grad():
+            plain, _ = model.forward_embeds(embeds, torch.ones_like(ids), positions=positions)
+        plain_logp = model.token_logprobs(plain[0, :-1], 1.0).gather(-1, ids[0, 1:, None])[:, 0]
+        assert (plain_logp[scored] - want[scored]).abs().max() > 1e-3
+        with pytest.raises(ValueError, match="DeepStack"):
+            model.embed(ids, [media], encodings)  # a caller that would drop DeepStack is refused
+
+
+def test_rollouts_agree_with_the_trainer(policy):
+    from loomrl.encoders.base import load_medium
+    from loomrl.platform.rollout.base import Prompt, SamplingParams
+    from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
+
+    m, tok, model = policy
+    media = [[load_medium("image", _png(5, 64, 96), m)], [load_medium("image", _png(6, 100, 120), m)]]
+    texts = ["w1 <image> w2", "w3 w4 w5 <image>"]  # different lengths: left padding
+    prompts = [Prompt(f"p{i}", model.prompt_ids(tok, t, x), x) for i, (t, x) in enumerate(zip(texts, media))]
+    res = TorchRolloutEngine(model).generate(
+        prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=6), torch.Generator().manual_seed(0)
+    )
+    for r in res.rollouts:
+        p = prompts[r.prompt_index]
+        ids = torch.tensor([p.ids + r.completion_ids])
+        with torch.no_grad():
+            logp, _ = model.sequence_logprobs(ids, torch.ones_like(ids), [p.media])
+        assert torch.allclose(logp[0, -len(r.completion_ids) :], torch.tensor(r.logprobs), atol=1e-4)
+
+
+def test_export_loads_in_transformers_with_equal_logits(checkpoint, policy, tmp_path):
+    import transformers as T
+
+    from loomrl.encoders.base import load_medium
+    from loomrl.platform.backbone.hf_io import export_language_model, export_policy
+
+    folder, hf = checkpoint
+    m, tok, model = policy
+    out = export_policy(model, tmp_path / "export", "image")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    back = T.Qwen3VLForConditionalGeneration.from_pretrained(str(out)).eval()
+    media = [load_medium("image", _png(7, 90, 64), m)]
+    ids = torch.tensor([model.prompt_ids(tok, "w1 <image> w2 w3", media)])
+    inputs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=(ids == hf.config.image_token_id).long(),
+        pixel_values=media[0].features,
+        image_grid_thw=media[0].grid[None],
+    )
+    with torch.no_grad():
+        assert torch.equal(back(**inputs).logits, hf(**inputs).logits)  # the same weights, every one
+    text = export_language_model(model.language_model, tmp_path / "text")  # a Qwen3ForCausalLM
+    lm = T.AutoModelForCausalLM.from_pretrained(str(text)).eval()
+    assert type(lm).__name__ == "Qwen3ForCausalLM"
+    plain = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = model.language_model(
+            model.language_model.embed(plain), torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool)
+        )[0]
+        assert (lm(input_ids=plain).logits - want).abs().max() < 1e-5
+
+
+def test_parts_that_do_not_take_qwen3_vl_yet_refuse_it(checkpoint, tmp_path):
+    from loomrl.platform import recipe as R
+
+    folder, _ = checkpoint
+    for override, name in (
+        ("rollout.engine=vllm", "rollout.engine=vllm"),
+        ("training.engine=megatron", "training.engine=megatron"),
+    ):
+        with pytest.raises(R.RecipeError, match=f"Qwen3-VL checkpoint, which {name}"):
+            R.load_recipe("recipes/demo.yaml", [f"model.init_from={folder}", override])
+
+
+def test_loomrl_run_from_a_qwen3_vl_checkpoint(tmp_path, capsys):
+    """The demo's GRPO loop from a Qwen3-VL checkpoint (sizes, tower, preprocessing filled from the
+    folder), the built-in rollout engine; rollout and trainer agree on every token."""
+    from loomrl.cli import main
+
+    folder = tmp_path / "qwen3-vl"
+    _qwen3_vl(str(folder))
+    out = tmp_path / "run"
+    rc = main(
+        [
+            "run",
+            "recipes/demo.yaml",
+            "--out",
+            str(out),
+            f"data.shards={tmp_path}/shards/demo-*.tar",
+            "data.demo.samples=12",
+            "training.steps=2",
+            "training.warmup.steps=0",
+            "training.mini_batches=1",
+            "training.prompts_per_step=2",
+            "rollout.n=2",
+            "rollout.max_new_tokens=4",
+            "training.micro_batch_size=4",
+            "checkpoint.every=100",
+            "goal=null",
+            f"model.init_from={folder}",
+            f"model.tokenizer={folder}",
+        ]
+    )
+    assert rc == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["logp_mismatch"] < 1e-4 and r["enc_media_total"] > 0 for r in rows)

@@ -42,7 +42,7 @@ import torch
 
 from loomrl.commands.doctor_trace import trace_table, trace_vllm
 from loomrl.platform import recipe as R
-from loomrl.platform.backbone.hf_io import export_language_model, load_policy
+from loomrl.platform.backbone.hf_io import export_language_model, load_policy, refuse_qwen3
 from loomrl.platform.backbone.rounding import SETTINGS
 from loomrl.platform.checkpoint import load_checkpoint
 from loomrl.platform.mismatch import (  # noqa: F401
@@ -222,6 +222,7 @@ def main(argv: list[str]) -> int:
         ap.error("--prompts: must be positive")
     try:
         recipe = R.load_recipe(args.recipe, args.overrides)
+        refuse_qwen3(recipe, "loomrl doctor")
         report = run_doctor(recipe, args.engine, args.prompts, args.checkpoint, args.hf, args.trace)
     except (R.RecipeError, ValueError, OSError, KeyError) as e:  # a damaged checkpoint: ValueError naming the file
         print(f"error: {e}", file=sys.stderr)

@@ -43,11 +43,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
 from loomrl.encoders.audio import HOP, N_FFT, num_frames
-from loomrl.encoders.vision import CLIP_MEAN, CLIP_STD
 from loomrl.platform import recipe as R
 from loomrl.platform.backbone.hf_io import export_policy
 from loomrl.platform.checkpoint import _fsync, latest_checkpoint, load_checkpoint
@@ -245,8 +245,8 @@ def preprocessor_config(model_cfg: R.ModelConfig, model_type: str, init_from: Op
             "do_rescale": True,
             "rescale_factor": 1 / 255,  # PIL bicubic
             "do_normalize": True,
-            "image_mean": _short(CLIP_MEAN),
-            "image_std": _short(CLIP_STD),
+            "image_mean": _short(v.image_mean),
+            "image_std": _short(v.image_std),
             "do_convert_rgb": True,
             "min_pixels": v.min_pixels,
             "max_pixels": v.max_pixels,
@@ -300,7 +300,7 @@ def preprocessor_config(model_cfg: R.ModelConfig, model_type: str, init_from: Op
 
 def _short(values) -> list[float]:
     """float32 numbers as their shortest decimals (0.48145467, not 0.48145467042922974)."""
-    return [float(str(v)) for v in values]
+    return [float(str(np.float32(v))) for v in values]
 
 
 def generation_config(model, tokenizer, init_from: Optional[str]) -> dict:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loomrl.config.schema import ranged
 
@@ -12,6 +12,10 @@ MAX_IMAGE_PIXELS = 8192 * 8192
 """The largest image area (`vision.min_pixels` / `max_pixels`, a recipe's or init_from's
 preprocessor_config.json's) loomrl resizes to: 67M pixels, ~5x Qwen2-VL's default max_pixels
 (12845056); beyond it one image's buffers alone would be gigabytes."""
+
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass
@@ -36,6 +40,11 @@ class VisionConfig:
     """Lower bound on resized image area (Qwen2-VL's smart_resize)."""
     max_pixels: int = ranged(56 * 56, ge=1, le=MAX_IMAGE_PIXELS)
     """Upper bound on resized image area; the demo keeps images at 56x56 = 4 tokens."""
+    image_mean: list[float] = field(default_factory=lambda: list(CLIP_MEAN))
+    """Per-channel (RGB) mean a pixel in [0, 1] is normalised with: CLIP's for Qwen2-VL / Qwen2.5-VL,
+    0.5 for Qwen3-VL (preprocessor_config.json's `image_mean` with model.init_from)."""
+    image_std: list[float] = field(default_factory=lambda: list(CLIP_STD))
+    """Per-channel (RGB) standard deviation, likewise (`image_std`)."""
 
 
 @dataclass

@@ -34,7 +34,11 @@ AUDIO_PREFIXES = ("audio_tower.", "model.audio_tower.")
 PROJECTOR_PREFIXES = ("multi_modal_projector.linear.", "model.multi_modal_projector.linear.")
 # model_type -> the vision_config model types its tower class builds (transformers 5 writes the
 # second; older configs may carry the first or none)
-VISION_KINDS = {"qwen2_vl": ("qwen2_vl", "qwen2_vl_vision"), "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_vision")}
+VISION_KINDS = {
+    "qwen2_vl": ("qwen2_vl", "qwen2_vl_vision"),
+    "qwen2_5_vl": ("qwen2_5_vl", "qwen2_5_vl_vision"),
+    "qwen3_vl": ("qwen3_vl", "qwen3_vl_vision"),
+}
 
 
 JSON_LIMIT = 64 << 20
@@ -130,7 +134,7 @@ def _load_into(
 
 
 def _vision_spec(hf_config: dict, where: str) -> tuple[type, Any]:
-    """(tower class, its transformers config) of a Qwen2-VL / Qwen2.5-VL config.json."""
+    """(tower class, its transformers config) of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL config.json."""
     model_type = hf_config.get("model_type")
     if model_type == "qwen2_vl":
         from transformers import Qwen2VLConfig as Config
@@ -140,8 +144,13 @@ def _vision_spec(hf_config: dict, where: str) -> tuple[type, Any]:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
             Qwen2_5_VisionTransformerPretrainedModel as Tower,
         )
+    elif model_type == "qwen3_vl":
+        from transformers import Qwen3VLConfig as Config
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
     else:
-        raise ValueError(f"{where}: model_type {model_type!r} has no supported vision tower (qwen2_vl, qwen2_5_vl)")
+        raise ValueError(
+            f"{where}: model_type {model_type!r} has no supported vision tower ({', '.join(VISION_KINDS)})"
+        )
     vision = hf_config.get("vision_config") or {}
     kind = vision.get("model_type") if isinstance(vision, dict) else None
     if kind is not None and kind not in VISION_KINDS[model_type]:
@@ -202,6 +211,18 @@ def load_audio_tower(folder: str | Path, dtype: Optional[torch.dtype] = None) ->
     return tower, projector
 
 
+def merger_width(tower: nn.Module) -> int:
+    """The width a vision tower's merger writes (the language model's): Qwen2-VL / Qwen2.5-VL's
+    `merger.mlp`, Qwen3-VL's `merger.linear_fc2`."""
+    merger = tower.merger
+    return (merger.linear_fc2 if hasattr(merger, "linear_fc2") else merger.mlp[-1]).out_features
+
+
+def deepstack_levels(tower: Optional[nn.Module]) -> int:
+    """How many DeepStack feature levels a vision tower adds to the first decoder layers (Qwen3-VL; else 0)."""
+    return len(getattr(tower, "deepstack_merger_list", ())) if tower is not None else 0
+
+
 def _is_built_as(module: Optional[nn.Module], cls: type, config) -> bool:
     """Whether `module` is a `cls` built from `config` (same settings): a checkpoint's tensors
     then load into it in place, instead of into a second, newly built tower."""
@@ -222,7 +243,7 @@ def attach_towers(model, vision_folder: Optional[str | Path] = None, audio_folde
             model.visual if _is_built_as(model.visual, tower_cls, vision_cfg) else tower_cls._from_config(vision_cfg)
         )
         c, v = tower.config, cfg.vision
-        have = (c.patch_size, c.temporal_patch_size, c.spatial_merge_size, tower.merger.mlp[-1].out_features)
+        have = (c.patch_size, c.temporal_patch_size, c.spatial_merge_size, merger_width(tower))
         want = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size, cfg.hidden_size)
         if have != want:
             raise ValueError(

@@ -2,9 +2,11 @@
 
 Preprocessing follows transformers' Qwen2-VL image processor: resize so both
 sides are multiples of patch_size * merge_size (smart_resize), rescale to
-[0, 1], normalise with the CLIP mean/std, repeat the still frame to fill the
-temporal patch, and flatten into patches ordered so the merger's 2x2 groups
-are contiguous. Returns (patches [N, C*T*P*P], grid_thw [3]).
+[0, 1], normalise with `model.vision.image_mean/std` (CLIP's; Qwen3-VL: 0.5),
+repeat the still frame to fill the temporal patch, and flatten into patches
+ordered so the merger's 2x2 groups are contiguous. Returns (patches
+[N, C*T*P*P], grid_thw [3]). Qwen2.5-VL and Qwen3-VL checkpoints bring their own
+towers (`hf_checkpoint`); Qwen3-VL's also returns DeepStack features (`encode_images`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ from loomrl.encoders.media import Medium, content_hash, decode_image, settings_f
 
 if TYPE_CHECKING:
     from loomrl.platform.backbone.config import ModelConfig
-
-CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
-CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -56,8 +55,8 @@ def preprocess_settings(cfg: VisionConfig) -> dict:
         "min_pixels": cfg.min_pixels,
         "max_pixels": cfg.max_pixels,
         "resample": "bicubic",
-        "mean": CLIP_MEAN.tolist(),
-        "std": CLIP_STD.tolist(),
+        "mean": list(cfg.image_mean),
+        "std": list(cfg.image_std),
     }
 
 
@@ -67,7 +66,8 @@ def preprocess_image(image: Image.Image, cfg: VisionConfig) -> tuple[torch.Tenso
     h, w = smart_resize(image.height, image.width, factor, cfg.min_pixels, cfg.max_pixels)
     if (h, w) != (image.height, image.width):
         image = image.resize((w, h), Image.BICUBIC)
-    x = (np.asarray(image, dtype=np.float32) / 255.0 - CLIP_MEAN) / CLIP_STD  # H, W, C
+    mean, std = np.array(cfg.image_mean, dtype=np.float32), np.array(cfg.image_std, dtype=np.float32)
+    x = (np.asarray(image, dtype=np.float32) / 255.0 - mean) / std  # H, W, C
     x = x.transpose(2, 0, 1)[None]  # 1, C, H, W
     tps, ps, m = cfg.temporal_patch_size, cfg.patch_size, cfg.spatial_merge_size
     x = np.repeat(x, tps, axis=0)  # a still image fills the temporal patch
@@ -105,18 +105,24 @@ def build_vision_tower(cfg: VisionConfig, out_dim: int, init_std: float):
 
 def encode_images(tower, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
     """Merged image tokens [sum(tokens), out_dim] for concatenated patches (Qwen2-VL and
-    Qwen2.5-VL towers alike)."""
-    return tower(patches.to(tower.dtype), grid_thw=grids).pooler_output
+    Qwen2.5-VL towers alike). A Qwen3-VL tower's DeepStack features (its intermediate blocks,
+    merged) follow each token's in the same row: [sum(tokens), out_dim x (1 + levels)], the layout
+    vLLM's Qwen3-VL takes as image embeddings; `VLM.embed_inputs` splits them off again. One
+    tensor per medium, so the encoding cache and its dedup hold them like any encoding."""
+    out = tower(patches.to(tower.dtype), grid_thw=grids)
+    deepstack = getattr(out, "deepstack_features", None) or []
+    return torch.cat([out.pooler_output, *deepstack], dim=-1) if deepstack else out.pooler_output
 
 
 @register("image")
 class ImageModality(Modality):
-    """Images: `<image>` in prompts, `images` in manifests; the Qwen2-VL / Qwen2.5-VL vision
-    tower (the policy's `visual`, with its merger, whose output is already the backbone width)."""
+    """Images: `<image>` in prompts, `images` in manifests; the Qwen2-VL / Qwen2.5-VL / Qwen3-VL
+    vision tower (the policy's `visual`, with its merger, whose output is already the backbone
+    width; Qwen3-VL's DeepStack mergers count as its merger)."""
 
     order, marker, manifest_keys, file_prefix = 0, "<image>", ("images", "image"), "img"
     noun, tower_name, tower_attrs = "image", "vision", ("visual",)
-    checkpoint_types = ("qwen2_vl", "qwen2_5_vl")
+    checkpoint_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
     @classmethod
     def load(cls, data: bytes, cfg: ModelConfig) -> Medium:
@@ -140,6 +146,7 @@ class ImageModality(Modality):
         if model.visual is None:
             return {}
         merger = list(model.visual.merger.parameters())
+        merger += [p for m in getattr(model.visual, "deepstack_merger_list", ()) for p in m.parameters()]
         return {"vision": [p for p in model.visual.parameters() if not any(p is q for q in merger)], "merger": merger}
 
     @classmethod

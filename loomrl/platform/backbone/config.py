@@ -3,6 +3,7 @@ and the towers (encoders/config.py); `validate_model` checks the sizes that must
 
 from __future__ import annotations
 
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -155,6 +156,10 @@ def validate_model(m: ModelConfig) -> None:
         )
     if v.min_pixels > v.max_pixels:
         raise RecipeError(f"model.vision.min_pixels: {v.min_pixels} is above model.vision.max_pixels={v.max_pixels}")
+    for key, values in (("image_mean", v.image_mean), ("image_std", v.image_std)):
+        if len(values) != 3 or not all(math.isfinite(x) and (key == "image_mean" or x > 0) for x in values):
+            above = " above 0" if key == "image_std" else ""
+            raise RecipeError(f"model.vision.{key}: {values} is not three finite numbers (RGB){above}")
     au = m.audio
     if au.d_model % au.num_heads:
         raise RecipeError(f"model.audio.num_heads: d_model {au.d_model} must divide by num_heads {au.num_heads}")

@@ -36,6 +36,7 @@ LIMITS = {
     "in_channels": 64,
     "in_chans": 64,
     "window_size": 1 << 16,
+    "num_position_embeddings": 1 << 20,  # Qwen3-VL's learned position grid (a square)
     # audio_config (Qwen2-Audio)
     "encoder_layers": 1024,
     "d_model": 1 << 16,
@@ -57,6 +58,7 @@ VISION_KEYS = (
     "in_channels",
     "in_chans",
     "window_size",
+    "num_position_embeddings",
 )
 AUDIO_KEYS = (
     "encoder_layers",
@@ -117,3 +119,16 @@ def check_towers(cfg: dict, where: str) -> None:
     """The size keys of config.json's vision_config and audio_config, where it has them."""
     check_section(cfg.get("vision_config"), "vision_config", VISION_KEYS, where)
     check_section(cfg.get("audio_config"), "audio_config", AUDIO_KEYS, where)
+    vision = cfg.get("vision_config")
+    if isinstance(vision, dict) and "deepstack_visual_indexes" in vision:  # Qwen3-VL
+        levels, depth = vision["deepstack_visual_indexes"], vision.get("depth", 27)
+        if not (
+            isinstance(levels, list)
+            and len(levels) <= 64
+            and all(type(i) is int and 0 <= i < depth for i in levels)
+            and len(set(levels)) == len(levels)
+        ):
+            raise ValueError(
+                f"{where}: vision_config.deepstack_visual_indexes {_show(levels)} is not a short list of "
+                f"distinct tower depths below depth {_show(depth)}"
+            )

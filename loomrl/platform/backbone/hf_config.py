@@ -83,7 +83,8 @@ def checkpoint_settings(folder: str, sample_rate: int = 16000) -> list[Row]:
 
 
 def vision_rows(folder: Path, cfg: dict, model_type: str, hidden_size: int) -> list[Row]:
-    """The vision tower's sizes (Qwen2-VL / Qwen2.5-VL config.json) and the preprocessor's pixel bounds."""
+    """The vision tower's sizes (Qwen2-VL / Qwen2.5-VL / Qwen3-VL config.json) and the preprocessor's
+    pixel bounds and normalisation."""
 
     path = folder / "config.json"
     vc = section(cfg, "vision_config", path)
@@ -93,15 +94,16 @@ def vision_rows(folder: Path, cfg: dict, model_type: str, hidden_size: int) -> l
             f"model.init_from: {path}: a vision tower of kind {show(kind)}, which loomrl cannot "
             f"build for model_type {model_type} (it builds {', '.join(VISION_KINDS[model_type])})"
         )
-    qwen2 = model_type == "qwen2_vl"
-    # transformers 5.19's Qwen2VLVisionConfig / Qwen2_5_VLVisionConfig defaults for a key left out
+    qwen2, qwen3 = model_type == "qwen2_vl", model_type == "qwen3_vl"
+    # transformers 5.19's Qwen2VLVisionConfig / Qwen2_5_VLVisionConfig / Qwen3VLVisionConfig defaults
+    # for a key left out
     width, out = ("embed_dim", "hidden_size") if qwen2 else ("hidden_size", "out_hidden_size")
     rows = []
     for key, hf_key, default in (
-        ("depth", "depth", 32),
-        ("embed_dim", width, 1280 if qwen2 else 3584),
+        ("depth", "depth", 27 if qwen3 else 32),
+        ("embed_dim", width, 1280 if qwen2 else 1152 if qwen3 else 3584),
         ("num_heads", "num_heads", 16),
-        ("patch_size", "patch_size", 14),
+        ("patch_size", "patch_size", 16 if qwen3 else 14),
         ("temporal_patch_size", "temporal_patch_size", 2),
         ("spatial_merge_size", "spatial_merge_size", 2),
     ):
@@ -122,6 +124,9 @@ def vision_rows(folder: Path, cfg: dict, model_type: str, hidden_size: int) -> l
                 rows.append((f"vision.{key}", pre[key], pre_path, f"{key}: {show(pre[key])}", False))
             elif edge in size:  # what newer transformers write
                 rows.append((f"vision.{key}", size[edge], pre_path, f"size.{edge}: {show(size[edge])}", False))
+        for key in ("image_mean", "image_std"):
+            if key in pre:
+                rows.append((f"vision.{key}", pre[key], pre_path, f"{key}: {show(pre[key])}", False))
     return rows
 
 

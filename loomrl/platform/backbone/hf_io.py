@@ -28,16 +28,14 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
+from loomrl.config.schema import RecipeError
 from loomrl.encoders.hf_checkpoint import attach_towers, read_config, read_tensors
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
 from loomrl.platform.backbone.hf_bounds import number, size
 from loomrl.platform.backbone.lora import merged_state_dict
 
-SUPPORTED = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_audio")
+SUPPORTED = ("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_audio", "qwen3_vl")
 """Model types a policy starts from (`model.init_from`)."""
-LANGUAGE_MODELS = (*SUPPORTED, "qwen3_vl")
-"""Model types whose language model `load_language_model` reads: Qwen3-VL's loads, its vision tower
-and DeepStack are not wired into the policy yet, so a policy does not start from one."""
 QWEN3 = ("qwen3_vl",)  # head_dim of its own, attention_bias, q/k norm, interleaved M-RoPE
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 
@@ -54,12 +52,11 @@ _LM_PREFIXES = {
 _NOT_LM = ("model.visual.", "model.audio_tower.", "model.multi_modal_projector.")
 
 
-def decoder_config(cfg: dict, where: str = "config.json", supported: tuple[str, ...] = SUPPORTED) -> DecoderConfig:
-    """A DecoderConfig from a Hugging Face config.json dict of a `supported` model type."""
+def decoder_config(cfg: dict, where: str = "config.json") -> DecoderConfig:
+    """A DecoderConfig from a Hugging Face config.json dict of a supported model type."""
     model_type = cfg.get("model_type")
-    if model_type not in supported:
-        later = " (Qwen3-VL: only its language model loads so far)" if model_type in LANGUAGE_MODELS else ""
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported{later} (supported: {list(supported)})")
+    if model_type not in SUPPORTED:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(SUPPORTED)})")
     text = cfg.get("text_config") or {}
     if not isinstance(text, dict):
         raise ValueError(f"{where}: text_config is not a mapping")
@@ -122,6 +119,28 @@ def _short(value) -> str:
     return repr(value)[:40]
 
 
+def checkpoint_type(init_from: Optional[str]) -> Optional[str]:
+    """The model_type of model.init_from's config.json; None without one on this machine, or when it
+    cannot be read (`fill_from_checkpoint` names that problem)."""
+    if init_from is None or not (Path(init_from) / "config.json").is_file():
+        return None
+    try:
+        value = read_config(init_from).get("model_type")
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def refuse_qwen3(r, what: str) -> None:
+    """A RecipeError for a part that does not take Qwen3-VL's language model yet (its q/k norms,
+    head width and DeepStack): `what` names the part and the recipe key to change."""
+    if checkpoint_type(r.model.init_from) in QWEN3:
+        raise RecipeError(
+            f"model.init_from: {r.model.init_from} is a Qwen3-VL checkpoint, which {what} does not take yet "
+            f"(q/k norms, its own head width, DeepStack); the built-in engines do"
+        )
+
+
 def lm_name(key: str) -> Optional[str]:
     """A checkpoint tensor's name under Qwen2ForCausalLM's names; None: not the language model's."""
     if key.startswith(_NOT_LM):
@@ -148,7 +167,7 @@ def load_language_model(folder: str | Path, dtype: Optional[torch.dtype] = None)
     """A Decoder holding the language model of a local checkpoint folder.
 
     dtype: cast to this; None keeps the checkpoint's dtype."""
-    cfg = decoder_config(read_config(folder), f"{folder}/config.json", LANGUAGE_MODELS)
+    cfg = decoder_config(read_config(folder), f"{folder}/config.json")
     state = language_model_state(folder)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied: the head is the embedding, whatever a file adds
@@ -201,7 +220,7 @@ def load_policy(model, folder: str | Path) -> None:
     model_type = read_config(folder)["model_type"]
     attach_towers(
         model,
-        vision_folder=folder if model_type in ("qwen2_vl", "qwen2_5_vl") else None,
+        vision_folder=folder if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") else None,
         audio_folder=folder if model_type == "qwen2_audio" else None,
     )
 
@@ -218,6 +237,10 @@ def text_config(cfg: DecoderConfig, dtype: torch.dtype) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.mrope_section is not None:
         rope["mrope_section"] = list(cfg.mrope_section)
+    qwen3 = {}
+    if cfg.qk_norm:  # Qwen3-VL's text config
+        rope["mrope_interleaved"] = cfg.mrope_interleaved
+        qwen3 = {"model_type": "qwen3_vl_text", "head_dim": cfg.head_dim, "attention_bias": cfg.qkv_bias}
     return {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -236,6 +259,7 @@ def text_config(cfg: DecoderConfig, dtype: torch.dtype) -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "torch_dtype": _dtype_name(dtype),
         "dtype": _dtype_name(dtype),
+        **qwen3,
     }
 
 
@@ -329,21 +353,39 @@ def export_language_model(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
 ) -> Path:
-    """Write `decoder` as a Qwen2ForCausalLM folder (config.json + safetensors, no tokenizer) that
-    transformers and vLLM load.
+    """Write `decoder` as a Qwen2ForCausalLM folder (Qwen3-VL's language model: Qwen3ForCausalLM)
+    (config.json + safetensors, no tokenizer) that transformers and vLLM load.
 
     dtype: the tensors' dtype (None: the decoder's). token_ids: optional `bos_token_id`,
     `eos_token_id`, `pad_token_id` for config.json. A decoder with M-RoPE is written without
     `mrope_section` (a text-only Qwen2 model has none; for text positions it is the same RoPE)."""
     dtype = dtype or next(decoder.parameters()).dtype
+    qwen3 = decoder.cfg.qk_norm  # Qwen3-VL's language model is a Qwen3ForCausalLM for text
     cfg = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
         **text_config(decoder.cfg, dtype),
+        "architectures": ["Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM"],
+        "model_type": "qwen3" if qwen3 else "qwen2",
         **(token_ids or {}),
     }
     cfg["rope_parameters"].pop("mrope_section", None)
+    cfg["rope_parameters"].pop("mrope_interleaved", None)
     return write_folder(folder, cfg, decoder_tensors(decoder, dtype=dtype), max_shard_bytes, overwrite)
+
+
+_IMAGE_FAMILIES = {  # vision tower config model_type -> (model_type, architecture)
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "qwen2_vl_vision": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl_vision": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_vision": ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+}
+
+
+def _image_family(tower_type) -> tuple[str, str]:
+    """(model_type, architecture) of the HF model a vision tower of this config type exports as."""
+    if tower_type not in _IMAGE_FAMILIES:
+        raise ValueError(f"vision tower of type {tower_type!r} has no HF model to export to")
+    return _IMAGE_FAMILIES[tower_type]
 
 
 def export_policy(
@@ -354,8 +396,9 @@ def export_policy(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
 ) -> Path:
-    """Write a loomrl VLM as the HF model of one modality: "image" -> Qwen2-VL or Qwen2.5-VL
-    (by the vision tower's type; language model + `visual.*`), "audio" -> Qwen2-Audio (language
+    """Write a loomrl VLM as the HF model of one modality: "image" -> Qwen2-VL, Qwen2.5-VL or Qwen3-VL
+    (by the vision tower's type; language model + `visual.*`; Qwen3-VL: `model.language_model.*` +
+    `model.visual.*`, the names vLLM's Qwen3-VL reads), "audio" -> Qwen2-Audio (language
     model + `audio_tower.*` + `multi_modal_projector.linear.*`), "text" -> Qwen2ForCausalLM."""
     lm = model.language_model
     dtype = dtype or next(model.parameters()).dtype
@@ -376,12 +419,7 @@ def export_policy(
         )
     if modality == "image":
         vision = model.visual.config.to_dict()
-        model_type = {"qwen2_vl": "qwen2_vl", "qwen2_vl_vision": "qwen2_vl", "qwen2_5_vl_vision": "qwen2_5_vl"}.get(
-            vision.get("model_type")
-        )
-        if model_type is None:
-            raise ValueError(f"vision tower of type {vision.get('model_type')!r} has no HF model to export to")
-        arch = "Qwen2VLForConditionalGeneration" if model_type == "qwen2_vl" else "Qwen2_5_VLForConditionalGeneration"
+        model_type, arch = _image_family(vision.get("model_type"))
         if lm.cfg.mrope_section is None:  # Qwen2-VL needs one; text positions make it plain RoPE
             half = lm.cfg.head_dim // 2
             text["rope_parameters"]["mrope_section"] = [half - 2 * (half // 4), half // 4, half // 4]
@@ -395,7 +433,11 @@ def export_policy(
             "torch_dtype": text["dtype"],
             "dtype": text["dtype"],
         }
-        tensors = {**decoder_tensors(lm, dtype=dtype), **tower_tensors(model.visual, "visual.")}
+        if model_type == "qwen3_vl":  # vLLM's Qwen3-VL reads these names only (no `model.` fallback)
+            lm_tensors = decoder_tensors(lm, "model.language_model.", dtype=dtype)
+            tensors = {**lm_tensors, **tower_tensors(model.visual, "model.visual.")}
+        else:
+            tensors = {**decoder_tensors(lm, dtype=dtype), **tower_tensors(model.visual, "visual.")}
     elif modality == "audio":
         config = {
             "architectures": ["Qwen2AudioForConditionalGeneration"],

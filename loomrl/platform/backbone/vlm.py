@@ -57,6 +57,8 @@ from loomrl.platform.placement import to_device, to_host
 
 # Encodings for `embed`: by Medium.key (deduplicated), or one per media placement, row-major (naive).
 MediaEncodings = Union[Encodings, list[torch.Tensor]]
+DeepStack = tuple[torch.Tensor, list[torch.Tensor]]
+"""Qwen3-VL's DeepStack inputs: the media positions bool [B, T] and one [N, hidden] per level."""
 
 
 def weights_version(module: nn.Module) -> int:
@@ -80,9 +82,10 @@ class VLM(nn.Module):
         self.media_tokens_of = readable_media(tokenizer, hf_config, where)
         self.pad_token_id = tokenizer.pad_token_id
         self.eos_token_id = tokenizer.eos_token_id
-        vocab_size = len(tokenizer)
+        vocab_size, checkpoint = len(tokenizer), None
         if hf_config is not None:
-            vocab_size = decoder_config(hf_config, where).vocab_size
+            checkpoint = decoder_config(hf_config, where)
+            vocab_size = checkpoint.vocab_size
             if vocab_size < len(tokenizer):
                 raise ValueError(
                     f"{where}: vocab_size {vocab_size} is smaller than the tokenizer "
@@ -109,7 +112,7 @@ class VLM(nn.Module):
                 m.build_demo(self, cfg)
             elif m.name in checkpoint_towers(hf_config, where):
                 m.build_from_checkpoint(self, hf_config, where)
-        self.language_model = Decoder(language_model_config(cfg, vocab_size))
+        self.language_model = Decoder(language_model_config(cfg, vocab_size, checkpoint))
         for module in [*(x for m in modalities() for x in m.reinitialised(self)), *self.language_model.modules()]:
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=cfg.init_std)
@@ -369,7 +372,22 @@ class VLM(nn.Module):
         return self.encode(media)[0]
 
     def embed(self, input_ids: torch.Tensor, row_media: list[list[Medium]], encodings: MediaEncodings) -> torch.Tensor:
-        """Token embeddings with media encodings spliced into the placeholder positions."""
+        """Token embeddings with media encodings spliced into the placeholder positions (a model
+        without DeepStack: a Qwen3-VL prompt with media needs `embed_inputs`)."""
+        embeds, deepstack = self.embed_inputs(input_ids, row_media, encodings)
+        if deepstack is not None:
+            raise ValueError(
+                "this policy's vision tower adds DeepStack features to the first decoder layers (Qwen3-VL): "
+                "its media prompts go through embed_inputs and forward_embeds(deepstack=...)"
+            )
+        return embeds
+
+    def embed_inputs(
+        self, input_ids: torch.Tensor, row_media: list[list[Medium]], encodings: MediaEncodings
+    ) -> tuple[torch.Tensor, Optional[DeepStack]]:
+        """Token embeddings with media encodings spliced into the placeholder positions, and
+        Qwen3-VL's DeepStack features at those positions (`encode_images` keeps them after each
+        token's encoding in the same row; None for other models and for prompts without media)."""
         is_media = self.is_placeholder(input_ids)
         embeds = self.language_model.embed(input_ids)
         if isinstance(encodings, list):
@@ -377,11 +395,15 @@ class VLM(nn.Module):
         else:
             flat = [encodings[m.key] for row in row_media for m in row]
         if not flat:
-            return embeds
+            return embeds, None
         flat = torch.cat(flat).to(embeds.dtype)
         if flat.shape[0] != int(is_media.sum()):
             raise ValueError(f"{int(is_media.sum())} media placeholders but {flat.shape[0]} media tokens")
-        return embeds.masked_scatter(is_media[..., None], flat)
+        hidden = embeds.shape[-1]
+        embeds = embeds.masked_scatter(is_media[..., None], flat[:, :hidden])
+        if flat.shape[1] == hidden:
+            return embeds, None
+        return embeds, (is_media, list(flat[:, hidden:].split(hidden, dim=-1)))
 
     def is_placeholder(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Where input_ids holds a media placeholder token (bool, same shape)."""
@@ -413,13 +435,16 @@ class VLM(nn.Module):
         cache: KVCache | None = None,
         positions: Optional[torch.Tensor] = None,
         rope_deltas: Optional[torch.Tensor] = None,
+        *,
         tree: Optional[tuple] = None,
+        deepstack: Optional[DeepStack] = None,
     ):
         """Logits for embeddings. attention_mask covers past + new tokens. positions: from
         `position_ids` (whole sequences); otherwise each new token's index among its row's
         real tokens, plus rope_deltas [B] (`position_ids`' offset, for M-RoPE decoding).
         tree: (depth [B, T], block_mask [B, T, T]) for a draft tree appended after the cache: new
-        token i sits at the past's real tokens + depth[i] and sees the new tokens block_mask[i]."""
+        token i sits at the past's real tokens + depth[i] and sees the new tokens block_mask[i].
+        deepstack: Qwen3-VL's DeepStack inputs of these embeddings (`embed_inputs`)."""
         t = embeds.shape[1]
         block_mask = None
         if tree is not None:
@@ -429,6 +454,8 @@ class VLM(nn.Module):
             positions = (attention_mask.long().cumsum(-1)[:, -t:] - 1).clamp(min=0)
         if positions.dim() == 2 and rope_deltas is not None:
             positions = positions + rope_deltas[:, None]
+        if deepstack is not None:
+            return self.language_model(embeds, positions, attention_mask.bool(), cache, block_mask, deepstack)
         if block_mask is None:  # (a Megatron-built language model takes no block mask: no trees there)
             return self.language_model(embeds, positions, attention_mask.bool(), cache)
         return self.language_model(embeds, positions, attention_mask.bool(), cache, block_mask)
@@ -457,9 +484,8 @@ class VLM(nn.Module):
         )
         try:
             positions, _ = self.position_ids(input_ids, attention_mask, row_media)
-            logits, _ = self.forward_embeds(
-                self.embed(input_ids, row_media, encodings), attention_mask, positions=positions
-            )
+            embeds, deepstack = self.embed_inputs(input_ids, row_media, encodings)
+            logits, _ = self.forward_embeds(embeds, attention_mask, positions=positions, deepstack=deepstack)
         finally:
             if hook is not None:
                 hook.remove()
@@ -481,9 +507,17 @@ class VLM(nn.Module):
         return F.log_softmax(logits, dim=-1)
 
 
-def language_model_config(cfg: ModelConfig, vocab_size: int) -> DecoderConfig:
+def language_model_config(
+    cfg: ModelConfig, vocab_size: int, checkpoint: Optional[DecoderConfig] = None
+) -> DecoderConfig:
     """The language model's settings from the model section, the rounding profile's `auto` regions
-    resolved to the built-in's (a recipe resolves `auto` by its rollout engine before this)."""
+    resolved to the built-in's (a recipe resolves `auto` by its rollout engine before this).
+    checkpoint: the model.init_from checkpoint's, whose layer structure (Qwen3's head width, biases,
+    q/k norms, M-RoPE) the decoder is built with; the recipe's sizes match it (`fill_from_checkpoint`)."""
+    structure = {}
+    if checkpoint is not None:
+        names = ("head_size", "qkv_bias", "o_bias", "qk_norm", "mrope_section", "mrope_interleaved")
+        structure = {name: getattr(checkpoint, name) for name in names}
     return DecoderConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -494,6 +528,7 @@ def language_model_config(cfg: ModelConfig, vocab_size: int) -> DecoderConfig:
         rope_theta=cfg.rope_theta,
         rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings,
+        **structure,
         rounding=Regions(
             **{
                 region: DEFAULT_ROUNDING if getattr(cfg.rounding, region) == "auto" else getattr(cfg.rounding, region)

@@ -45,6 +45,7 @@ from torch import nn
 from loomrl.config import RecipeError
 from loomrl.platform.backbone import rounding
 from loomrl.platform.backbone.decoder import DecoderConfig, rope_cos_sin
+from loomrl.platform.backbone.hf_io import refuse_qwen3
 from loomrl.platform.engines import megatron_cpu_shims
 from loomrl.platform.engines.base import (
     TRAINING_ENGINES,
@@ -315,6 +316,7 @@ class MegatronLM(nn.Module):
 def check_recipe(r) -> None:
     """Megatron's own rules: FP32 training, and a tensor-parallel size that divides the processes,
     the KV heads and the MLP width."""
+    refuse_qwen3(r, "training.engine=megatron (use training.engine=torch, deepspeed or fsdp2)")
     t = r.training
     if t.precision == "bf16":
         raise RecipeError(

@@ -307,7 +307,8 @@ class TorchRolloutEngine:
         # M-RoPE: image tokens take (t, h, w) positions; generated tokens continue from the
         # prompt's largest position + 1 (rope_deltas), as in transformers' Qwen2-VL
         positions, rope_deltas = model.position_ids(ids, mask, row_media)
-        logits, cache = model.forward_embeds(model.embed(ids, row_media, encodings), mask, positions=positions)
+        embeds, deepstack = model.embed_inputs(ids, row_media, encodings)
+        logits, cache = model.forward_embeds(embeds, mask, positions=positions, deepstack=deepstack)
         logp = model.token_logprobs(logits[:, -1], _report_temperature(params))
         probs = target_probs(logp, params.temperature, params.top_p)
         if force is not None:

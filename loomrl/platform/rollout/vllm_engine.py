@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import load, save
 
 from loomrl.config import RecipeError
-from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model
+from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model, refuse_qwen3
 from loomrl.platform.backbone.lora import merged_state_dict
 from loomrl.platform.memory import GIB, MemoryTerm, ModelSizes
 from loomrl.platform.placement import to_device, to_host
@@ -133,6 +133,7 @@ class _RemoteDrafter:
 
 def check_recipe(r) -> None:
     """vLLM's own rules: a head size its attention kernels take, and room for a prompt."""
+    refuse_qwen3(r, "rollout.engine=vllm (use rollout.engine=torch)")
     head_dim = r.model.hidden_size // r.model.num_heads
     if head_dim % 32:  # vLLM-CPU's attention kernels (and most GPU ones)
         raise RecipeError(
