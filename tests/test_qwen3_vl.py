@@ -246,7 +246,8 @@ def test_parts_that_do_not_take_qwen3_vl_yet_refuse_it(checkpoint, tmp_path):
 
 def test_loomrl_run_from_a_qwen3_vl_checkpoint(tmp_path, capsys):
     """The demo's GRPO loop from a Qwen3-VL checkpoint (sizes, tower, preprocessing filled from the
-    folder), the built-in rollout engine; rollout and trainer agree on every token."""
+    folder), the built-in rollout engine; rollout and trainer agree on every token; `loomrl export`
+    writes a folder transformers loads."""
     from loomrl.cli import main
 
     folder = tmp_path / "qwen3-vl"
@@ -277,3 +278,11 @@ def test_loomrl_run_from_a_qwen3_vl_checkpoint(tmp_path, capsys):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["logp_mismatch"] < 1e-4 and r["enc_media_total"] > 0 for r in rows)
+    # exported through the CLI: transformers loads it, with the run's image preprocessing
+    import transformers as T
+
+    assert main(["export", str(out), "--out", str(tmp_path / "exported")]) == 0
+    back = T.Qwen3VLForConditionalGeneration.from_pretrained(str(tmp_path / "exported"))
+    assert back.config.text_config.head_dim == 64 and back.model.visual.deepstack_visual_indexes == [0, 1]
+    pre = json.loads((tmp_path / "exported" / "preprocessor_config.json").read_text())
+    assert (pre["patch_size"], pre["image_mean"], pre["processor_class"]) == (16, [0.5] * 3, "Qwen3VLProcessor")

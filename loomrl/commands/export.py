@@ -19,7 +19,7 @@ sha256 sums verified, nothing unpickled) and writes, with `hf_io.export_policy`:
     generation_config.json             eos = where the run's completions ended (the chat
                                        template's end-of-turn, else the tokenizer's EOS), pad
 
-The modality is init_from's (qwen2_vl / qwen2_5_vl -> image, qwen2_audio -> audio, qwen2 ->
+The modality is init_from's (qwen2_vl / qwen2_5_vl / qwen3_vl -> image, qwen2_audio -> audio, qwen2 ->
 text); a policy with no init_from (the demo: both towers) needs it named. config.json gets the
 token ids a server needs beyond `export_policy`'s (vision start/end, video, eos, pad).
 
@@ -58,7 +58,7 @@ log = logging.getLogger("loomrl")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODALITIES = ("image", "audio", "text")
-MODALITY_OF = {"qwen2_vl": "image", "qwen2_5_vl": "image", "qwen2_audio": "audio", "qwen2": "text"}
+MODALITY_OF = {"qwen2_vl": "image", "qwen2_5_vl": "image", "qwen3_vl": "image", "qwen2_audio": "audio", "qwen2": "text"}
 """The modality of an init_from checkpoint, by its config.json's model_type."""
 NO_REWARDS = ["algorithm.reward=slot_match", "algorithm.rewards=[]"]
 """Overrides that set a run's reward sources aside when its recipe is read for an export."""
@@ -235,9 +235,11 @@ def preprocessor_config(model_cfg: R.ModelConfig, model_type: str, init_from: Op
     """preprocessor_config.json for an image (Qwen2-VL family) or audio (Qwen2-Audio) model;
     None for text. init_from's file is the base; the settings loomrl preprocessed the run's
     media with replace its values (a server then feeds the policy what it was trained on)."""
-    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+    if model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         v = model_cfg.vision
-        processor = "Qwen2VLProcessor" if model_type == "qwen2_vl" else "Qwen2_5_VLProcessor"
+        processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(
+            model_type, "Qwen3VLProcessor"
+        )
         base = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor}
         ours = {
             "do_resize": True,
