@@ -273,3 +273,21 @@ def test_a_new_training_engine_brings_its_memory_model(halves_engine):
     assert p["per_rank_bytes"]["policy_copy"] == 4 * n  # the trainer's copy beside the engine's
     with pytest.raises(PlanError, match="training.engine: the training engine 'forgetful' has no `memory` trait"):
         make_plan(R.load_recipe(demo, ["training.engine=forgetful"], files=False), demo)
+
+
+def test_qwen3_vl_4b_counts_what_transformers_builds(capsys):
+    """The shipped Qwen3-VL-4B config (head width 128, not hidden / heads = 80; DeepStack mergers): the
+    plan's parameters are transformers' count on the meta device (4.44B, as published), its KV cache
+    is sized by the real head width, and the DeepStack mergers count as the merger."""
+    config = transformers.Qwen3VLConfig.from_pretrained(ROOT / "recipes/models/Qwen3-VL-4B-Instruct")
+    with torch.device("meta"):
+        hf = transformers.Qwen3VLForConditionalGeneration(config)
+    total = sum(p.numel() for p in hf.parameters())
+    assert total == 4_437_815_808
+    recipe = str(ROOT / "recipes/qwen3-vl-4b-grpo-fsdp2.yaml")
+    data, out = _plan(capsys, recipe, code=0)
+    assert data["params_total"] == total
+    assert "8 kv heads x 128 x" in out  # not 80
+    data, _ = _plan(capsys, recipe, "training.freeze=[merger]", code=0)
+    mergers = sum(p.numel() for n, p in hf.named_parameters() if ".merger." in n or "deepstack_merger_list" in n)
+    assert data["params_trainable"] == total - mergers

@@ -130,6 +130,7 @@ def sizes_of(c: Counts) -> ModelSizes:
         num_kv_heads=c.num_kv_heads,
         num_layers=c.num_layers,
         tied=c.tied,
+        head_dim=c.head_dim,
     )
 
 

@@ -15,7 +15,7 @@ so a recipe whose sizes disagree with it is refused here as `loomrl run` would r
 
 Counting: the model is built under `torch.device("meta")` (shapes, no storage, no weights
 read): transformers' class for a checkpoint config (Qwen2 / Qwen2-VL / Qwen2.5-VL /
-Qwen2-Audio), `backbone.vlm.build_policy` for the recipe's own sizes. Tied weights count
+Qwen2-Audio / Qwen3-VL), `backbone.vlm.build_policy` for the recipe's own sizes. Tied weights count
 once. Parameter names are mapped to loomrl's policy layout (`visual.`, `audio_tower.`,
 `audio_projector.`, `language_model.`), so both kinds of model are classified alike.
 
@@ -59,6 +59,7 @@ TRANSFORMERS_CLASSES = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen2_audio": "Qwen2AudioForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 # transformers 5.19's module names -> loomrl's policy layout; the longest prefix wins
 _HF_PREFIXES = {
@@ -100,6 +101,8 @@ class Counts:
     num_kv_heads: int
     vocab_size: int
     tied: bool
+    head_dim: int = 0
+    """A head's width (Qwen3's is its own; 0 before the caller fills it)."""
 
 
 # --------------------------------------------------------------------------- model config
@@ -182,6 +185,7 @@ def part_of(name: str) -> str:
     """The part (training.freeze's names) of a parameter named in loomrl's policy layout."""
     for prefix, part in (
         ("visual.merger.", "merger"),
+        ("visual.deepstack_merger_list.", "merger"),  # Qwen3-VL's DeepStack mergers
         ("visual.", "vision"),
         ("audio_tower.", "audio"),
         ("audio_projector.", "audio_projector"),
@@ -315,4 +319,5 @@ def count_parameters(recipe: R.Recipe, recipe_path: Optional[str | Path] = None)
         counts = tally(model, recipe, "the recipe's model section", "loomrl VLM (demo)")
     counts.hidden_size, counts.num_layers, counts.num_heads = d.hidden_size, d.num_layers, d.num_heads
     counts.num_kv_heads, counts.vocab_size, counts.tied = d.num_kv_heads, d.vocab_size, d.tie_word_embeddings
+    counts.head_dim = d.head_dim
     return counts

@@ -60,6 +60,8 @@ class ModelSizes:
     num_layers: int
     tied: bool
     """The embedding and the LM head are one matrix."""
+    head_dim: int = 0
+    """A head's width; 0: hidden_size // num_heads (Qwen3's is its own)."""
 
 
 @dataclass(frozen=True)

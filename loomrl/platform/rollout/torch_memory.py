@@ -25,7 +25,7 @@ def sequence_length(rollout) -> tuple[int, str]:
 
 def rollout_memory(sizes: ModelSizes, rollout, *, seq_len: int, rollouts: int) -> MemoryTerm:
     """The KV cache of `rollouts` rows of `seq_len` tokens (one step's share of a rank), in float32."""
-    head_dim = sizes.hidden_size // sizes.num_heads
+    head_dim = sizes.head_dim or sizes.hidden_size // sizes.num_heads
     return MemoryTerm(
         2 * sizes.num_layers * sizes.num_kv_heads * head_dim * seq_len * rollouts * 4,
         f"built-in engine KV cache: 2 x {sizes.num_layers} layers x {sizes.num_kv_heads} kv heads x "
