@@ -286,8 +286,9 @@ def test_qwen3_vl_4b_counts_what_transformers_builds(capsys):
     assert total == 4_437_815_808
     recipe = str(ROOT / "recipes/qwen3-vl-4b-grpo-fsdp2.yaml")
     data, out = _plan(capsys, recipe, code=0)
-    assert data["params_total"] == total
-    assert "8 kv heads x 128 x" in out  # not 80
+    assert data["params_total"] == total and data["engine"] == "fsdp2"
+    _, out = _plan(capsys, recipe, "rollout.engine=torch", code=0)
+    assert "8 kv heads x 128 x" in out  # the built-in engine's KV cache: head width 128, not 80
     data, _ = _plan(capsys, recipe, "training.freeze=[merger]", code=0)
     mergers = sum(p.numel() for n, p in hf.named_parameters() if ".merger." in n or "deepstack_merger_list" in n)
     assert data["params_trainable"] == total - mergers

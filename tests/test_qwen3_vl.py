@@ -236,10 +236,7 @@ def test_parts_that_do_not_take_qwen3_vl_yet_refuse_it(checkpoint, tmp_path):
     from loomrl.platform import recipe as R
 
     folder, _ = checkpoint
-    for override, name in (
-        ("rollout.engine=vllm", "rollout.engine=vllm"),
-        ("training.engine=megatron", "training.engine=megatron"),
-    ):
+    for override, name in (("training.engine=megatron", "training.engine=megatron"),):
         with pytest.raises(R.RecipeError, match=f"Qwen3-VL checkpoint, which {name}"):
             R.load_recipe("recipes/demo.yaml", [f"model.init_from={folder}", override])
 

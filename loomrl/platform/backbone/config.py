@@ -108,6 +108,9 @@ class ModelConfig:
     """Query heads of the backbone attention."""
     num_kv_heads: int = ranged(2, ge=1)
     """Key/value heads (grouped-query attention)."""
+    head_dim: Optional[int] = ranged(None, ge=2, le=4096)
+    """A head's width when it is not hidden_size / num_heads (Qwen3-VL: 128); null: hidden_size /
+    num_heads. From model.init_from's config.json when it says so."""
     intermediate_size: int = ranged(128, ge=1)
     """SwiGLU MLP width."""
     rope_theta: float = ranged(10000.0, gt=0)
@@ -141,9 +144,11 @@ class ModelConfig:
 
 def validate_model(m: ModelConfig) -> None:
     """Sizes that the towers and the backbone need together (each field's range is checked at load)."""
-    if m.num_heads % m.num_kv_heads or m.hidden_size % m.num_heads:
+    if m.num_heads % m.num_kv_heads or (m.head_dim is None and m.hidden_size % m.num_heads):
         raise RecipeError("model.num_heads: hidden_size must divide by num_heads, and num_heads by num_kv_heads")
-    if (m.hidden_size // m.num_heads) % 2:
+    if m.head_dim is not None and m.head_dim % 2:
+        raise RecipeError(f"model.head_dim: {m.head_dim} must be even (RoPE rotates pairs)")
+    if m.head_dim is None and (m.hidden_size // m.num_heads) % 2:
         raise RecipeError(
             f"model.num_heads: the head size hidden_size / num_heads = {m.hidden_size // m.num_heads} "
             f"must be even (RoPE rotates pairs)"

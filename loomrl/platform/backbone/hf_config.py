@@ -73,6 +73,8 @@ def checkpoint_settings(folder: str, sample_rate: int = 16000) -> list[Row]:
             ("tie_word_embeddings", "tie_word_embeddings", d.tie_word_embeddings),
         )
     ]
+    if d.head_size is not None:  # Qwen3: a head width of its own
+        rows.append(("head_dim", d.head_size, path, f"head_dim: {d.head_size}", True))
     model_type = cfg["model_type"]  # decoder_config accepted it
     towers = checkpoint_towers(cfg, str(path))
     if "image" in towers:

@@ -119,22 +119,22 @@ def _short(value) -> str:
     return repr(value)[:40]
 
 
-def checkpoint_type(init_from: Optional[str]) -> Optional[str]:
-    """The model_type of model.init_from's config.json; None without one on this machine, or when it
-    cannot be read (`fill_from_checkpoint` names that problem)."""
+def checkpoint_decoder(init_from: Optional[str]) -> Optional[DecoderConfig]:
+    """The language model of model.init_from's config.json; None without one on this machine, or
+    when it cannot be read (`fill_from_checkpoint` names that problem)."""
     if init_from is None or not (Path(init_from) / "config.json").is_file():
         return None
     try:
-        value = read_config(init_from).get("model_type")
-    except ValueError:
+        return decoder_config(read_config(init_from), f"{init_from}/config.json")
+    except (ValueError, TypeError, AttributeError):
         return None
-    return value if isinstance(value, str) else None
 
 
 def refuse_qwen3(r, what: str) -> None:
     """A RecipeError for a part that does not take Qwen3-VL's language model yet (its q/k norms,
     head width and DeepStack): `what` names the part and the recipe key to change."""
-    if checkpoint_type(r.model.init_from) in QWEN3:
+    d = checkpoint_decoder(r.model.init_from)
+    if d is not None and d.qk_norm:
         raise RecipeError(
             f"model.init_from: {r.model.init_from} is a Qwen3-VL checkpoint, which {what} does not take yet "
             f"(q/k norms, its own head width, DeepStack); the built-in engines do"

@@ -514,7 +514,7 @@ def language_model_config(
     resolved to the built-in's (a recipe resolves `auto` by its rollout engine before this).
     checkpoint: the model.init_from checkpoint's, whose layer structure (Qwen3's head width, biases,
     q/k norms, M-RoPE) the decoder is built with; the recipe's sizes match it (`fill_from_checkpoint`)."""
-    structure = {}
+    structure: dict = {"head_size": cfg.head_dim}
     if checkpoint is not None:
         names = ("head_size", "qkv_bias", "o_bias", "qk_norm", "mrope_section", "mrope_interleaved")
         structure = {name: getattr(checkpoint, name) for name in names}

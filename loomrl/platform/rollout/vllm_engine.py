@@ -49,7 +49,8 @@ import torch
 from safetensors.torch import load, save
 
 from loomrl.config import RecipeError
-from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model, refuse_qwen3
+from loomrl.encoders.hf_checkpoint import deepstack_levels
+from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model
 from loomrl.platform.backbone.lora import merged_state_dict
 from loomrl.platform.memory import GIB, MemoryTerm, ModelSizes
 from loomrl.platform.placement import to_device, to_host
@@ -58,7 +59,7 @@ from loomrl.platform.rollout import vllm_shims
 from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.config import DrafterConfig, VLLMConfig
 from loomrl.platform.rollout.torch_engine import DraftStats
-from loomrl.platform.rollout.vllm_mrope import export_mrope_language_model, mrope_prompt, uses_mrope
+from loomrl.platform.rollout.vllm_mrope import export_mrope_language_model, mrope_prompt, served_prefix, uses_mrope
 from loomrl.platform.trajectory.batch import collate, rollout_trajectories
 
 log = logging.getLogger("loomrl")
@@ -133,8 +134,7 @@ class _RemoteDrafter:
 
 def check_recipe(r) -> None:
     """vLLM's own rules: a head size its attention kernels take, and room for a prompt."""
-    refuse_qwen3(r, "rollout.engine=vllm (use rollout.engine=torch)")
-    head_dim = r.model.hidden_size // r.model.num_heads
+    head_dim = r.model.head_dim or r.model.hidden_size // r.model.num_heads  # Qwen3: a width of its own
     if head_dim % 32:  # vLLM-CPU's attention kernels (and most GPU ones)
         raise RecipeError(
             f"model.num_heads: rollout.engine=vllm needs a head size that is a multiple of 32; "
@@ -256,6 +256,7 @@ class VLLMRolloutEngine:
         try:
             if self.mrope:
                 vllm_shims.apply()  # vLLM's Qwen2-VL module and processor without torchvision
+                vllm_shims.qwen3_vl_deepstack_from_embeddings()  # DeepStack from the trainer's embeddings
                 export_mrope_language_model(self.model, folder, torch.float32)
                 # token ids + image embeddings; towers not built (limits 0), tokenizer for the processor
                 inputs = dict(
@@ -296,6 +297,14 @@ class VLLMRolloutEngine:
             )
             if self.mrope:  # the processor is read from the folder: have it loaded before it goes
                 llm.llm_engine.renderer.get_mm_processor().info.get_hf_processor()
+                want = deepstack_levels(self.model.visual)
+                got = llm.collective_rpc(vllm_shims.rpc_deepstack_levels)
+                if any(levels != want for levels in got):  # vLLM would sample from another model
+                    raise RuntimeError(
+                        f"vLLM serves {got} DeepStack level(s), the policy has {want}: loomrl's shim "
+                        "(vllm_shims.qwen3_vl_deepstack_from_embeddings) did not take; it needs vllm 0.32 and "
+                        "the model built in this process (rollout.vllm.multiprocessing=false)"
+                    )
             self.start_s = time.perf_counter() - t0
         finally:
             torch.set_num_threads = set_threads
@@ -466,7 +475,9 @@ class VLLMRolloutEngine:
 
         if weights is None:
             # lm_head too when tied: left out, vLLM reloads a wrong head without an error
-            tensors = decoder_tensors(self.model.language_model, dtype=torch.float32, tied_head=True)
+            tensors = decoder_tensors(
+                self.model.language_model, served_prefix(self.model), dtype=torch.float32, tied_head=True
+            )
         else:
             prefix = "language_model."
             tensors = {
@@ -480,6 +491,8 @@ class VLLMRolloutEngine:
                 if not self.model.language_model.cfg.tie_word_embeddings:
                     raise ValueError("weight sync: lm_head.weight missing for an untied head")
                 tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+            prefix = served_prefix(self.model)
+            tensors = {prefix + k[len("model.") :] if k.startswith("model.") else k: v for k, v in tensors.items()}
         self.llm.collective_rpc(rpc_reload, args=(save(tensors),))
         if self.mrope:
             # The worker's reload empties its encoder cache (image embeddings by content hash)

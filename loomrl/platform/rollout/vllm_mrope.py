@@ -42,7 +42,15 @@ _MROPE_SERVED = {
     "qwen2_vl": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
     "qwen2_vl_vision": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor"),
     "qwen2_5_vl_vision": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor"),
+    "qwen3_vl": ("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor"),
+    "qwen3_vl_vision": ("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor"),
 }
+
+
+def served_prefix(model) -> str:
+    """The prefix vLLM's model class reads the language model's `model.*` tensors under: Qwen3-VL's
+    only maps `model.language_model.*` (no `model.*` fallback as Qwen2-VL's has)."""
+    return "model.language_model." if model.language_model.cfg.qk_norm else "model."
 
 
 def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.float32) -> None:
@@ -83,7 +91,7 @@ def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.f
     if model.cfg.init_from is not None:  # ids vLLM's config reads but loomrl never uses (video)
         hf = read_config(model.cfg.init_from)
         config.update({k: hf[k] for k in ("video_token_id",) if k in hf})
-    write_folder(folder, config, decoder_tensors(lm, dtype=dtype), overwrite=True)
+    write_folder(folder, config, decoder_tensors(lm, served_prefix(model), dtype=dtype), overwrite=True)
     load_tokenizer(model.cfg.tokenizer).save_pretrained(folder)
     pre = {
         "image_processor_type": "Qwen2VLImageProcessor",
@@ -93,6 +101,8 @@ def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.f
         "patch_size": vcfg.patch_size,
         "temporal_patch_size": vcfg.temporal_patch_size,
         "merge_size": vcfg.spatial_merge_size,
+        "image_mean": list(vcfg.image_mean),
+        "image_std": list(vcfg.image_std),
     }
     Path(folder, "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
 
@@ -100,7 +110,8 @@ def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.f
 def mrope_prompt(model, p: Prompt, encodings) -> dict:
     """A prompt for vLLM's Qwen2-VL: token ids with each image's placeholder run collapsed to
     one placeholder (vLLM's processor expands it back from image_grid_thw) and the trainer's
-    image encodings as precomputed embeddings, in prompt order."""
+    image encodings as precomputed embeddings, in prompt order (Qwen3-VL's with their DeepStack
+    features after each token's, the width vLLM's Qwen3-VL splits them off at)."""
     image = model.image_token_id
     if any(m.kind != "image" for m in p.media):
         raise ValueError(

@@ -29,6 +29,15 @@ Qwen2-Audio needs none of this.
    other C++ fallbacks sample the target distribution (chi-square test in tests/test_vllm_engine.py);
    their acceptance test reads a float32 copy of vLLM's float64 uniform: at most 2^-25 off per draft.
 
+5. `qwen3_vl_deepstack_from_embeddings()`: vLLM 0.32's Qwen3-VL takes precomputed image embeddings
+   with their DeepStack features after each token's ([tokens, hidden x (1 + levels)], the layout its
+   own tower writes), but it turns DeepStack off when it builds no tower (`use_deepstack` requires
+   `self.visual` not to be a `StageMissingLayer`, models/qwen3_vl.py:2019), which is exactly the
+   embeddings-only setup loomrl runs (every image limit 0): a wide embedding then fails, a narrow
+   one samples from another model. The shim gives such an instance the DeepStack buffers its
+   `__init__` would have made with a tower; everything downstream (splitting the width, adding
+   level i after decoder layer i) is vLLM's own code. `vllm_engine` checks in the worker that it took.
+
 4. `plain_sampling_without_drafts()`, a speed fix (any platform): with a speculative config every
    vLLM 0.32 step goes through the rejection sampler, drafts or not (`_prepare_inputs` always builds
    `SpecDecodeMetadata`). When a step has no draft at all (NgramRL's controller chose plain
@@ -92,6 +101,10 @@ def _inert_video_processor_class():
         def __init__(self, merge_size: int = 2, patch_size: int = 14, temporal_patch_size: int = 2, **kwargs):
             super().__init__()
             self.merge_size, self.patch_size, self.temporal_patch_size = merge_size, patch_size, temporal_patch_size
+            # vLLM's Qwen3-VL sizes its encoder budget for video from these even when no video is
+            # allowed (transformers' Qwen3VLVideoProcessor defaults)
+            self.size = kwargs.get("size") or {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32}
+            self.fps, self.min_frames, self.max_frames = 2, 4, 768
 
         def __call__(self, *args, **kwargs):
             raise RuntimeError(
@@ -239,3 +252,46 @@ def plain_sampling_without_drafts() -> bool:
     if not getattr(RejectionSampler.forward, "_loomrl_plain_when_no_drafts", False):
         RejectionSampler.forward = _plain_when_no_drafts(RejectionSampler.forward)
     return True
+
+
+# --------------------------------------------------------------------------- 5. Qwen3-VL DeepStack
+
+
+def qwen3_vl_deepstack_from_embeddings() -> bool:
+    """Keep Qwen3-VL's DeepStack when vLLM builds no vision tower (5. in the module doc). vllm 0.32.x
+    only (the code it was checked against); True when in place. Idempotent; the model must be built
+    in this process (`rollout.vllm.multiprocessing: false`)."""
+    import vllm
+
+    if not vllm.__version__.startswith("0.32."):
+        return False
+    from vllm.model_executor.models import qwen3_vl
+
+    cls = qwen3_vl.Qwen3VLForConditionalGeneration
+    if getattr(cls.__init__, "_loomrl_deepstack", False):
+        return True
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *, vllm_config, prefix: str = "model"):
+        init(self, vllm_config=vllm_config, prefix=prefix)
+        config = vllm_config.model_config.hf_config
+        levels = len(getattr(config.vision_config, "deepstack_visual_indexes", ()) or ())
+        if self.use_deepstack or not levels:
+            return
+        # what __init__ does with a tower (same default dtype and device: still inside the loader)
+        self.use_deepstack, self.deepstack_num_level = True, levels
+        self.multiscale_dim = self.visual_dim * levels
+        rows = vllm_config.scheduler_config.max_num_batched_tokens
+        self.deepstack_input_embeds = [torch.zeros(rows, config.text_config.hidden_size) for _ in range(levels)]
+        self.deepstack_input_embeds_num_tokens = 0
+
+    __init__._loomrl_deepstack = True
+    cls.__init__ = __init__
+    return True
+
+
+def rpc_deepstack_levels(worker) -> int:
+    """Worker side: how many DeepStack levels the served model adds (0: none, or not Qwen3-VL)."""
+    model = worker.model_runner.model
+    return model.deepstack_num_level if getattr(model, "use_deepstack", False) else 0
