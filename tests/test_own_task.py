@@ -1,4 +1,4 @@
-"""A user's own task, end to end through the CLI: a tiny Qwen2-VL checkpoint whose tokenizer has a
+"""A user's own task, end to end through the CLI: a tiny Qwen2-VL (and Qwen3-VL) checkpoint whose tokenizer has a
 chat template, a marker-free manifest of real photos (scikit-image) with question / answer pairs,
 `shards make`, SFT with validation, `loomrl export`, GRPO from the export with a verifiable reward
 and validation, `loomrl export` again, and transformers loading that export with the trainer's
@@ -8,9 +8,10 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
-from qwen_checkpoints import CHAT_TEMPLATE, _qwen2_vl
+from qwen_checkpoints import CHAT_TEMPLATE, _qwen2_vl, _qwen3_vl
 
 from loomrl.cli import main
 
@@ -65,9 +66,17 @@ def _val(run):
     return json.loads((run / "summary.json").read_text())["validation"]
 
 
-def test_sft_grpo_and_export_of_a_users_own_task(tmp_path, monkeypatch):
+FAMILIES = {
+    "qwen2_vl": (_qwen2_vl, "Qwen2VLForConditionalGeneration"),
+    "qwen3_vl": (_qwen3_vl, "Qwen3VLForConditionalGeneration"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sft_grpo_and_export_of_a_users_own_task(tmp_path, monkeypatch, family):
     monkeypatch.chdir(tmp_path)
-    _qwen2_vl(str(tmp_path / "base"), words=WORDS, chat_template=CHAT_TEMPLATE)
+    build, hf_class = FAMILIES[family]
+    build(str(tmp_path / "base"), words=WORDS, chat_template=CHAT_TEMPLATE)
     _photos(tmp_path / "img")
     # marker-free, as public VQA sets are: `question` / `image` / `answer`, no ids
     train = [{"question": q, "image": f"img/{p}.png", "answer": p} for q in TRAIN_QUESTIONS for p in PHOTOS]
@@ -132,10 +141,10 @@ rollout: {{n: 4, max_new_tokens: 3}}
     _run(["export", "runs/grpo/checkpoints/step-000004", "--out", "final-hf"])
 
     # --- transformers loads the final export; its logits are the trainer's
-    check_export(tmp_path, "runs/grpo", "step-000004", "final-hf")
+    check_export(tmp_path, "runs/grpo", "step-000004", "final-hf", hf_class)
 
 
-def check_export(tmp_path, run, step, export):
+def check_export(tmp_path, run, step, export, hf_class="Qwen2VLForConditionalGeneration"):
     """transformers loads the export of `run`'s checkpoint `step`: its logits are the trainer's
     (FP32, 1e-5) on an image prompt, and its weights moved from the base checkpoint."""
     import transformers as T
@@ -149,7 +158,8 @@ def check_export(tmp_path, run, step, export):
     tok, chat, policy = build_policy_parts(recipe)
     load_checkpoint(tmp_path / run / "checkpoints" / step, policy)
     policy.eval()
-    hf = T.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / export, dtype=torch.float32).eval()
+    cls = getattr(T, hf_class)
+    hf = cls.from_pretrained(tmp_path / export, dtype=torch.float32).eval()
     exported_tok = T.AutoTokenizer.from_pretrained(tmp_path / export, local_files_only=True)
     assert exported_tok.chat_template == CHAT_TEMPLATE
     image = load_medium("image", (tmp_path / "img/chelsea.png").read_bytes(), policy.cfg)
@@ -157,9 +167,8 @@ def check_export(tmp_path, run, step, export):
     mask = torch.ones_like(ids)
     with torch.no_grad():
         positions, _ = policy.position_ids(ids, mask, [[image]])
-        ours, _ = policy.forward_embeds(
-            policy.embed(ids, [[image]], policy.encode_media([image])), mask, positions=positions
-        )
+        embeds, deepstack = policy.embed_inputs(ids, [[image]], policy.encode_media([image]))
+        ours, _ = policy.forward_embeds(embeds, mask, positions=positions, deepstack=deepstack)
         theirs = hf(
             input_ids=ids,
             attention_mask=mask,
@@ -169,6 +178,6 @@ def check_export(tmp_path, run, step, export):
         ).logits
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
     # and the weights moved from the base checkpoint
-    base = T.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    base = cls.from_pretrained(tmp_path / "base", dtype=torch.float32)
     assert not torch.equal(base.model.language_model.embed_tokens.weight, hf.model.language_model.embed_tokens.weight)
     np.testing.assert_equal(hf.config.image_token_id, base.config.image_token_id)
