@@ -69,6 +69,34 @@ def _tokenizer(folder, words=(), chat_template=None):
     return fast
 
 
+def _preprocessor(folder, processor: str, patch: int, **bounds) -> None:
+    """preprocessor_config.json: the processor, patch size, pixel bounds, mean / std 0.5."""
+    pre = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": processor,
+        **bounds,
+        "patch_size": patch,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5] * 3,
+        "image_std": [0.5] * 3,
+    }
+    with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
+        json.dump(pre, f)
+
+
+def png(seed: int, h: int, w: int) -> bytes:
+    """A random h x w RGB image, PNG-encoded."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8")).save(buf, "PNG")
+    return buf.getvalue()
+
+
 def _qwen2_vl(folder, kind="qwen2_vl", vocab_size=VOCAB, words=(), chat_template=None):
     """vocab_size: embedding rows; more than the tokenizer's VOCAB tokens pads the vocabulary.
     words, chat_template: see `_tokenizer`."""
@@ -111,19 +139,7 @@ def _qwen2_vl(folder, kind="qwen2_vl", vocab_size=VOCAB, words=(), chat_template
     model = model_cls(cfg).eval()
     model.save_pretrained(folder)  # transformers 5.19 writes the Qwen2-VL family in the hub layout
     # small images: 56x56 .. 112x112 pixels -> 4 .. 16 image tokens
-    pre = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
-        "min_pixels": 56 * 56,
-        "max_pixels": 112 * 112,
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": [0.5] * 3,
-        "image_std": [0.5] * 3,
-    }
-    with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
-        json.dump(pre, f)
+    _preprocessor(folder, "Qwen2VLProcessor", 14, min_pixels=56 * 56, max_pixels=112 * 112)
     return model
 
 
@@ -180,17 +196,6 @@ def _qwen3_vl(folder, words=(), chat_template=None):
             if name.endswith("norm.weight"):
                 p.normal_(1.0, 0.3)
     model.save_pretrained(folder)
-    # 64x64 .. 128x128 pixels -> 2x2 .. 4x4 merged tokens (patch 16, merge 2); Qwen3-VL's 0.5 mean / std
-    pre = {
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "processor_class": "Qwen3VLProcessor",
-        "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128},
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        "image_mean": [0.5] * 3,
-        "image_std": [0.5] * 3,
-    }
-    with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
-        json.dump(pre, f)
+    # 64x64 .. 128x128 pixels -> 2x2 .. 4x4 merged tokens (patch 16, merge 2)
+    _preprocessor(folder, "Qwen3VLProcessor", 16, size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128})
     return model

