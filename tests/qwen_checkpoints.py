@@ -69,6 +69,29 @@ def _tokenizer(folder, words=(), chat_template=None):
     return fast
 
 
+def two_step_run(folder, tmp_path, out) -> list[str]:
+    """`loomrl run` arguments: the demo recipe for two small GRPO steps from checkpoint `folder`."""
+    return [
+        "run",
+        "recipes/demo.yaml",
+        "--out",
+        str(out),
+        f"data.shards={tmp_path}/shards/demo-*.tar",
+        "data.demo.samples=12",
+        "training.steps=2",
+        "training.warmup.steps=0",
+        "training.mini_batches=1",
+        "training.prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        "training.micro_batch_size=4",
+        "checkpoint.every=100",
+        "goal=null",
+        f"model.init_from={folder}",
+        f"model.tokenizer={folder}",
+    ]
+
+
 def _preprocessor(folder, processor: str, patch: int, **bounds) -> None:
     """preprocessor_config.json: the processor, patch size, pixel bounds, mean / std 0.5."""
     pre = {

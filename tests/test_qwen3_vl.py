@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from qwen_checkpoints import QWEN3_TEXT, _qwen3_vl, png
+from qwen_checkpoints import QWEN3_TEXT, _qwen3_vl, png, two_step_run
 
 from loomrl.platform.backbone import rounding as R
 from loomrl.platform.backbone.hf_io import decoder_config, load_language_model
@@ -239,27 +239,7 @@ def test_loomrl_run_from_a_qwen3_vl_checkpoint(tmp_path, capsys):
     folder = tmp_path / "qwen3-vl"
     _qwen3_vl(str(folder))
     out = tmp_path / "run"
-    rc = main(
-        [
-            "run",
-            "recipes/demo.yaml",
-            "--out",
-            str(out),
-            f"data.shards={tmp_path}/shards/demo-*.tar",
-            "data.demo.samples=12",
-            "training.steps=2",
-            "training.warmup.steps=0",
-            "training.mini_batches=1",
-            "training.prompts_per_step=2",
-            "rollout.n=2",
-            "rollout.max_new_tokens=4",
-            "training.micro_batch_size=4",
-            "checkpoint.every=100",
-            "goal=null",
-            f"model.init_from={folder}",
-            f"model.tokenizer={folder}",
-        ]
-    )
+    rc = main([*two_step_run(folder, tmp_path, out)])
     assert rc == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]

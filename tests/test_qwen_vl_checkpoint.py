@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from qwen_checkpoints import VOCAB, _qwen2_vl
+from qwen_checkpoints import VOCAB, _qwen2_vl, two_step_run
 
 from loomrl.encoders.base import load_medium
 from loomrl.platform.backbone.mrope import rope_index
@@ -175,28 +175,7 @@ def test_loomrl_run_from_a_qwen2_vl_checkpoint(tmp_path, capsys):
     folder = tmp_path / "qwen2-vl"
     _qwen2_vl(str(folder), "qwen2_vl", vocab_size=PADDED)
     out = tmp_path / "run"
-    rc = main(
-        [
-            "run",
-            "recipes/demo.yaml",
-            "--out",
-            str(out),
-            f"data.shards={tmp_path}/shards/demo-*.tar",
-            "data.demo.samples=12",
-            "training.steps=2",
-            "training.warmup.steps=0",
-            "training.mini_batches=1",
-            "training.prompts_per_step=2",
-            "rollout.n=2",
-            "rollout.max_new_tokens=4",
-            "training.micro_batch_size=4",
-            "checkpoint.every=100",
-            "goal=null",
-            f"model.init_from={folder}",
-            f"model.tokenizer={folder}",
-            *OVERRIDES,
-        ]
-    )
+    rc = main([*two_step_run(folder, tmp_path, out), *OVERRIDES])
     assert rc == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
