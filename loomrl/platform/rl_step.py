@@ -207,6 +207,8 @@ class RLSteps:
             row["trainer_idle_frac"] = min(1.0, row["trainer_idle_s"] / max(step_s, 1e-9))
         if "kl_sum" in totals:
             row["kl"] = totals["kl_sum"] / tokens
+        if "entropy_floor_sum" in totals:  # how far below algorithm.entropy_floor.target, token-weighted
+            row["entropy_floor_gap"] = totals["entropy_floor_sum"] / tokens
         # importance correction: is the run on-policy? (ratio = pi_old under the trainer / pi_rollout)
         is_max = allreduce_max(loss_fn.maxima["is_ratio_max"])  # each rank saw only its micro-batches
         row.update(

@@ -67,6 +67,19 @@ class OverlongConfig:
 
 
 @dataclass
+class EntropyFloorConfig:
+    """An entropy floor (algorithms/losses.py): while a micro-batch's mean token entropy is below
+    `target`, its loss gains coef x (target - entropy), an entropy bonus that switches itself off
+    above the floor. Stateless (a resumed run computes the same loss)."""
+
+    target: float = ranged(0.0, ge=0)
+    """Mean token entropy (nats) under which the bonus applies; 0 = off."""
+    coef: float = ranged(0.01, ge=0)
+    """The bonus's weight per nat below the target (the entropy gradient's scale, weighted by the
+    micro-batch's share of the mini-batch's tokens)."""
+
+
+@dataclass
 class DynamicSamplingConfig:
     """DAPO's dynamic sampling (algorithms/dynamic_sampling.py): groups whose rewards are all alike
     train on zero advantage, so they are dropped and more prompts are drawn until the step is full."""
@@ -152,6 +165,8 @@ class AlgorithmConfig:
     """Overlong shaping and filtering (DAPO)."""
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     """Dynamic sampling (DAPO): zero-variance groups dropped, more prompts drawn."""
+    entropy_floor: EntropyFloorConfig = field(default_factory=EntropyFloorConfig)
+    """An entropy bonus below a target entropy (off by default)."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO's critic and GAE."""
     dpo: DPOConfig = field(default_factory=DPOConfig)

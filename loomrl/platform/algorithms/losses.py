@@ -80,6 +80,12 @@ def policy_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead
             loss = loss + a.ppo.value_coef * vloss
             stats.update(vstats)
         m = mb.loss_mask
+        floor = a.entropy_floor
+        if floor.target > 0:  # entropy bonus below the floor (algorithm.entropy_floor)
+            tokens = m.sum()
+            below = torch.relu(floor.target - (entropy * m).sum() / tokens.clamp(min=1))
+            loss = loss + floor.coef * below * tokens / mb.normaliser  # the micro-batch's share of tokens
+            stats["entropy_floor_sum"] = float(below.detach()) * float(tokens)  # token-weighted
         stats["entropy_sum"] = float((entropy.detach() * m).sum())
         # rollout-vs-trainer mismatch of the same tokens under the same weights: pi_old (the policy
         # before this step's updates; the policy itself with one mini-batch), not the policy after
