@@ -304,3 +304,21 @@ def test_the_first_fit_of_a_workload_is_adopted_by_later_runs(tmp_path, monkeypa
     d = DraftController(8, cache=CostCache("w1", blocked / "draft_cost.json"))  # its folder is a file
     run(d, LOOKUP_BOUND, 0.3, CALIBRATION, seed=4)
     assert d.model is not None and d.model != a.model
+
+
+def test_a_fit_on_forwards_of_one_row_count_is_not_split_by_float_order():
+    """Every calibration forward with the same rows: the constant and rows columns are collinear, so
+    any split of the per-forward cost between them fits. The fit takes the constant alone (the
+    subset tried first), whatever the last bits of the timings, and costs those forwards right."""
+    from loomrl.platform.rollout.draft_control import Work, fit_cost
+
+    def fit(eps):
+        work = [
+            Work(0, i, 64, 64 + 64 * (i % 2), 64 * (i % 2), 64, 0.010 + 0.002 * (i % 2) + eps * (i % 3))
+            for i in range(32)
+        ]
+        return fit_cost(work)
+
+    a, b = fit(0.0), fit(1e-15)
+    assert a.row_s == b.row_s == 0.0 and a.forward_s > 0
+    assert abs(a.seconds(64, 64, 0) - 0.010) < 1e-9 and abs(a.forward_s - b.forward_s) < 1e-12

@@ -116,17 +116,26 @@ class CostModel(NamedTuple):
         return self.forward_s + rows * self.row_s + positions * self.position_s + lookups * self.lookup_s
 
 
+TIE = 1e-9  # residuals this close (relative to the larger of the best residual and the data) tie
+
+
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares by trying every subset of columns (4 columns: 15 small solves)."""
+    """Non-negative least squares by trying every subset of columns (4 columns: 15 small solves).
+    A subset whose columns are collinear (the rows column of forwards that all had the same rows,
+    beside the constant one) is skipped, and residuals within TIE of each other are a tie won by the
+    subset tried first, so the fit does not depend on the last bits of a BLAS's sums."""
     best: tuple[float, list[int], np.ndarray] | None = None
     n = x.shape[1]
+    scale = float((y**2).sum())  # residuals are compared against the data's size: exact fits tie too
     for mask in range(1, 1 << n):
         cols = [j for j in range(n) if mask >> j & 1]
+        if np.linalg.matrix_rank(x[:, cols]) < len(cols):
+            continue
         coef = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
         if (coef < 0).any():
             continue
         residual = float(((x[:, cols] @ coef - y) ** 2).sum())
-        if best is None or residual < best[0]:
+        if best is None or residual < best[0] - TIE * max(best[0], scale):
             best = (residual, cols, coef)
     out = np.zeros(n)
     if best is not None:
