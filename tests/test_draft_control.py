@@ -322,3 +322,18 @@ def test_a_fit_on_forwards_of_one_row_count_is_not_split_by_float_order():
     a, b = fit(0.0), fit(1e-15)
     assert a.row_s == b.row_s == 0.0 and a.forward_s > 0
     assert abs(a.seconds(64, 64, 0) - 0.010) < 1e-9 and abs(a.forward_s - b.forward_s) < 1e-12
+
+
+def test_the_runs_first_forward_does_not_enter_the_fit():
+    """The run's first forward also pays one-time costs (allocations, kernel choices): 50x slower
+    here, and the fit is the same as without it."""
+    fits = []
+    for first in (1.0, 50.0):
+        c = DraftController(8)
+        for f in range(CALIBRATION):
+            k = c.choose().k
+            positions, lookups = ROWS * (1 + k), ROWS if k else 0
+            seconds = LOOKUP_BOUND.seconds(ROWS - f, positions, lookups) * (first if f == 0 else 1.0)
+            c.observe(seconds, ROWS - f, [0] * k, 0, positions, lookups)
+        fits.append(c.model)
+    assert fits[0] == pytest.approx(fits[1], rel=1e-9)

@@ -366,7 +366,7 @@ class DraftController:
         drafted = sum(w.positions > w.rows for w in cal)
         if not ((len(cal) >= CALIBRATION and drafted >= CAL_DRAFTED) or len(cal) >= CAL_MAX):
             return
-        self.model = fit_cost(cal)
+        self.model = fit_cost(cal[1:])  # the run's first forward also pays one-time costs (allocations)
         if self.cache is not None:
             self.model = self.cache.adopt(self.model)
         for w in cal:
