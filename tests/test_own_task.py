@@ -176,7 +176,9 @@ def check_export(tmp_path, run, step, export, hf_class="Qwen2VLForConditionalGen
             pixel_values=image.features,
             image_grid_thw=image.grid[None],
         ).logits
-    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
+    # Qwen3-VL: 1e-4, the issue's bar (its q/k norms and DeepStack round in another order; ~5e-6 measured)
+    tol = 1e-4 if "Qwen3" in hf_class else 1e-5
+    assert torch.allclose(ours, theirs, atol=tol, rtol=0), (ours - theirs).abs().max()
     # and the weights moved from the base checkpoint
     base = cls.from_pretrained(tmp_path / "base", dtype=torch.float32)
     assert not torch.equal(base.model.language_model.embed_tokens.weight, hf.model.language_model.embed_tokens.weight)

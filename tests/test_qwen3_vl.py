@@ -60,7 +60,7 @@ def test_logits_equal_transformers_with_deepstack_and_interleaved_mrope(checkpoi
         ).last_hidden_state
         want = hf.lm_head(h)
         got = dec(embeds, pos, mask, deepstack=(where, deepstack))[0]
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)  # the bar; measured 4.7e-6 at logits ~7
         # the checks can fail: without DeepStack, or with M-RoPE in blocks, the logits differ
         assert (dec(embeds, pos, mask)[0] - want).abs().max() > 1e-2
         dec.cfg.mrope_interleaved = False
@@ -71,7 +71,7 @@ def test_logits_equal_transformers_with_deepstack_and_interleaved_mrope(checkpoi
         want = hf.lm_head(
             hf.model.language_model(inputs_embeds=embeds, position_ids=text[None].expand(3, -1, -1)).last_hidden_state
         )
-        torch.testing.assert_close(dec(embeds, text, mask)[0], want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(dec(embeds, text, mask)[0], want, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("rmsnorm", ["native", "vllm"])
@@ -218,7 +218,7 @@ def test_export_loads_in_transformers_with_equal_logits(checkpoint, policy, tmp_
         want = model.language_model(
             model.language_model.embed(plain), torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool)
         )[0]
-        assert (lm(input_ids=plain).logits - want).abs().max() < 1e-5
+        assert (lm(input_ids=plain).logits - want).abs().max() < 1e-4
 
 
 def test_parts_that_do_not_take_qwen3_vl_yet_refuse_it(checkpoint, tmp_path):

@@ -425,10 +425,11 @@ def test_auto_rounding_follows_the_rollout_engine():
 
     demo = Path(__file__).resolve().parent.parent / "recipes/demo.yaml"
     regions = lambda r: [getattr(r.model.rounding, k) for k in recipe.ROUNDING_REGIONS]  # noqa: E731
-    assert regions(recipe.load_recipe(demo, ["rollout.engine=vllm"])) == ["vllm"] * 4
-    assert regions(recipe.load_recipe(demo, ["rollout.engine=torch"])) == ["aligned"] * 4
+    assert recipe.ROUNDING_REGIONS == ("rope", "swiglu", "rmsnorm", "attention", "qknorm")
+    assert regions(recipe.load_recipe(demo, ["rollout.engine=vllm"])) == ["vllm"] * 5
+    assert regions(recipe.load_recipe(demo, ["rollout.engine=torch"])) == ["aligned"] * 5
     mixed = recipe.load_recipe(demo, ["rollout.engine=vllm", "model.rounding.attention=native"])
-    assert regions(mixed) == ["vllm", "vllm", "vllm", "native"]
+    assert regions(mixed) == ["vllm", "vllm", "vllm", "native", "vllm"]
     assert "attention: native" in recipe.dump(mixed) and "rope: vllm" in recipe.dump(mixed)
     with pytest.raises(recipe.RecipeError, match="model.rounding.rope"):
         recipe.load_recipe(demo, ["model.rounding.rope=fused"])

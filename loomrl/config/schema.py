@@ -78,6 +78,8 @@ def ranged(
     """A numeric field: its default and its range (ge/gt: >= / > low, le/lt: <= / < high; none:
     any finite number). Checked when a recipe is loaded, shown by `loomrl recipe`."""
     rng = Range(gt if gt is not None else ge, lt if lt is not None else le, gt is not None, lt is not None)
+    if isinstance(default, list):  # a list of numbers: each item in the range
+        return field(default_factory=lambda: list(default), metadata={"range": rng})
     return field(default=default, metadata={"range": rng})
 
 
@@ -198,7 +200,7 @@ def convert(value: Any, tp: Any, path: str, rng: Optional[Range] = None) -> Any:
         if not isinstance(value, list):
             raise RecipeError(f"{path}: expected a list, got {type(value).__name__} {show(value)}")
         (inner,) = typing.get_args(tp)
-        return [convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [convert(v, inner, f"{path}[{i}]", rng) for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if value is None:
             value = {}

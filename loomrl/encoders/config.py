@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from loomrl.config.schema import ranged
 
@@ -40,10 +40,10 @@ class VisionConfig:
     """Lower bound on resized image area (Qwen2-VL's smart_resize)."""
     max_pixels: int = ranged(56 * 56, ge=1, le=MAX_IMAGE_PIXELS)
     """Upper bound on resized image area; the demo keeps images at 56x56 = 4 tokens."""
-    image_mean: list[float] = field(default_factory=lambda: list(CLIP_MEAN))
+    image_mean: list[float] = ranged(list(CLIP_MEAN), ge=-10, le=10)
     """Per-channel (RGB) mean a pixel in [0, 1] is normalised with: CLIP's for Qwen2-VL / Qwen2.5-VL,
     0.5 for Qwen3-VL (preprocessor_config.json's `image_mean` with model.init_from)."""
-    image_std: list[float] = field(default_factory=lambda: list(CLIP_STD))
+    image_std: list[float] = ranged(list(CLIP_STD), gt=0, le=10)
     """Per-channel (RGB) standard deviation, likewise (`image_std`)."""
 
 
@@ -63,9 +63,9 @@ class AudioConfig:
     """Feed-forward width in the audio encoder."""
     num_mel_bins: int = ranged(80, ge=1)
     """Mel bins of the log-mel spectrogram (Whisper: 80, Qwen2-Audio: 128)."""
-    sample_rate: int = ranged(16000, ge=1000)
+    sample_rate: int = ranged(16000, ge=1000, le=384000)
     """Audio is resampled to this rate, mono."""
-    clip_seconds: float = ranged(1.0, gt=0)
+    clip_seconds: float = ranged(1.0, gt=0, le=3600)
     """Clips are padded or cut to this length; it fixes the encoder's positions
     (100 mel frames per second, 4 frames per output token)."""
 
