@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from loomrl.config.schema import RecipeError
+from loomrl.config.schema import RecipeError, show
 from loomrl.encoders.hf_checkpoint import attach_towers, read_config, read_tensors
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
 from loomrl.platform.backbone.hf_bounds import number, size
@@ -85,7 +85,7 @@ def decoder_config(cfg: dict, where: str = "config.json") -> DecoderConfig:
         raise ValueError(f"{where}: head_dim {head_size or hidden // heads} must be even (RoPE)")
     bias = t.get("attention_bias", False)
     if qwen3 and not isinstance(bias, bool):
-        raise ValueError(f"{where}: attention_bias {_short(bias)} is not true or false")
+        raise ValueError(f"{where}: attention_bias {show(bias, 40)} is not true or false")
     # Untied unless the top level (or else the text config) says tie_word_embeddings: true,
     # transformers' default for these families when the key is missing.
     tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
@@ -113,10 +113,6 @@ def decoder_config(cfg: dict, where: str = "config.json") -> DecoderConfig:
         o_bias=bias if qwen3 else False,
         qk_norm=qwen3,
     )
-
-
-def _short(value) -> str:
-    return repr(value)[:40]
 
 
 def checkpoint_decoder(init_from: Optional[str]) -> Optional[DecoderConfig]:
