@@ -3,9 +3,11 @@ tokenizer with the special tokens the Qwen processors look up, random weights sa
 hub layout, and a preprocessor config. Shared by test_vllm_multimodal and
 test_qwen_vl_checkpoint."""
 
+import io
 import json
 import os
 
+import numpy as np
 import torch
 
 SPECIAL = [
@@ -222,3 +224,23 @@ def _qwen3_vl(folder, words=(), chat_template=None):
     # 64x64 .. 128x128 pixels -> 2x2 .. 4x4 merged tokens (patch 16, merge 2)
     _preprocessor(folder, "Qwen3VLProcessor", 16, size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128})
     return model
+
+
+def clip(seed=0, frames=8, height=64, width=80, fps=4, container="mp4", codec="mpeg4"):
+    """A real short video's bytes, encoded with PyAV (FFmpeg): moving coloured noise, `frames` frames
+    of height x width at `fps` frames per second."""
+    import av
+
+    rng = np.random.RandomState(seed)
+    base = (rng.rand(height, width, 3) * 255).astype("uint8")
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.roll(base, 3 * i, axis=1), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()

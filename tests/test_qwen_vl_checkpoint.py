@@ -123,7 +123,7 @@ def test_rope_index_matches_transformers(checkpoint):
     # left padding moves nothing
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], 1)
-    got, delta = rope_index(padded, mask, [[m.grid for m in media]], policy.image_token_id, 2)
+    got, delta = rope_index(padded, mask, [[(m.grid, 1.0) for m in media]], {policy.image_token_id}, 2)
     assert torch.equal(got[:, :, 3:], want) and delta.tolist() == want_delta.flatten().tolist()
     assert int(delta[0]) < 0  # images take fewer positions than tokens: the check is not trivial
 

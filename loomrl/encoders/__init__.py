@@ -6,4 +6,4 @@ Each kind of medium is a registered `Modality` (base.py); the modules below regi
 when this package is imported.
 """
 
-from loomrl.encoders import audio, vision  # noqa: F401  (register the modalities)
+from loomrl.encoders import audio, video, vision  # noqa: F401  (register the modalities)

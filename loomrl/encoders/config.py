@@ -14,6 +14,13 @@ preprocessor_config.json's) loomrl resizes to: 67M pixels, ~5x Qwen2-VL's defaul
 (12845056); beyond it one image's buffers alone would be gigabytes."""
 
 
+MAX_VIDEO_FRAMES = 4096
+"""The most frames loomrl samples from one clip (`vision.video_max_frames`): qwen-vl-utils' 768 with
+room; each sampled frame is a resized image held in memory until the clip is patched."""
+MAX_VIDEO_SECONDS = 3 * 3600
+"""The longest clip a recipe may allow (`vision.max_video_seconds`)."""
+
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -45,6 +52,19 @@ class VisionConfig:
     0.5 for Qwen3-VL (preprocessor_config.json's `image_mean` with model.init_from)."""
     image_std: list[float] = ranged(list(CLIP_STD), gt=0, le=10)
     """Per-channel (RGB) standard deviation, likewise (`image_std`)."""
+    video_fps: float = ranged(2.0, gt=0, le=240)
+    """Frames per second sampled from a clip (qwen-vl-utils' FPS), before the bounds below; the count is
+    rounded down to a multiple of `temporal_patch_size` (video_preprocessor_config.json's `fps`)."""
+    video_min_frames: int = ranged(4, ge=1, le=MAX_VIDEO_FRAMES)
+    """Fewest frames sampled from a clip (a clip with fewer frames gives all it has)."""
+    video_max_frames: int = ranged(32, ge=1, le=MAX_VIDEO_FRAMES)
+    """Most frames sampled from a clip (qwen-vl-utils: 768; kept small for CPU runs)."""
+    video_min_pixels: int = ranged(56 * 56, ge=1, le=MAX_IMAGE_PIXELS)
+    """Lower bound on a sampled frame's resized area (smart_resize, as for images)."""
+    video_max_pixels: int = ranged(112 * 112, ge=1, le=MAX_IMAGE_PIXELS)
+    """Upper bound on a sampled frame's resized area (the video processor's `size.longest_edge`)."""
+    max_video_seconds: float = ranged(600.0, gt=0, le=MAX_VIDEO_SECONDS)
+    """Longest clip read (from its header, before decoding); a longer one is refused."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A medium (image or audio clip) as the model consumes it: its content hash,
+"""A medium (image, video or audio clip) as the model consumes it: its content hash,
 the fingerprint of the preprocessing that made its features, and the features."""
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from PIL import Image
 
 @dataclass
 class Medium:
-    kind: str  # "image" or "audio"
+    kind: str  # "image", "video" or "audio"
     hash: str  # sha256 of the stored bytes (with prep: the encoding cache's key)
-    features: torch.Tensor  # image: patches [N, C*T*P*P]; audio: log-mel [mel, frames]
-    grid: Optional[torch.Tensor] = None  # image: grid_thw [3]
+    features: torch.Tensor  # image, video: patches [N, C*T*P*P]; audio: log-mel [mel, frames]
+    grid: Optional[torch.Tensor] = None  # image, video: grid_thw [3]
     prep: str = ""  # fingerprint of the preprocessing settings (see settings_fingerprint)
+    seconds_per_grid: float = 0.0  # video: seconds one temporal patch spans (Qwen2.5-VL's M-RoPE time)
 
     @property
     def nbytes(self) -> int:

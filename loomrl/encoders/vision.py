@@ -60,23 +60,36 @@ def preprocess_settings(cfg: VisionConfig) -> dict:
     }
 
 
+def normalised(image: Image.Image, cfg: VisionConfig) -> np.ndarray:
+    """[C, H, W] float32 of an RGB image: rescaled to [0, 1] and normalised with image_mean / image_std."""
+    mean, std = np.array(cfg.image_mean, dtype=np.float32), np.array(cfg.image_std, dtype=np.float32)
+    x = (np.asarray(image, dtype=np.float32) / 255.0 - mean) / std  # H, W, C
+    return x.transpose(2, 0, 1)
+
+
+def patchify(x: np.ndarray, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(patches [N, C*T*P*P], grid_thw [3]) of frames [T, C, H, W] (a still image: T = 1): T padded
+    to a multiple of the temporal patch by repeating the last frame (a still image fills its
+    patch), then flattened so the merger's groups are contiguous (transformers' Qwen2-VL
+    processors: image and video alike)."""
+    tps, ps, m = cfg.temporal_patch_size, cfg.patch_size, cfg.spatial_merge_size
+    if pad := -x.shape[0] % tps:
+        x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
+    t, c, h, w = x.shape
+    gt, gh, gw = t // tps, h // ps, w // ps
+    x = x.reshape(gt, tps, c, gh // m, m, ps, gw // m, m, ps)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    patches = x.reshape(gt * gh * gw, c * tps * ps * ps)
+    return torch.from_numpy(np.ascontiguousarray(patches)), torch.tensor([gt, gh, gw])
+
+
 def preprocess_image(image: Image.Image, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
     factor = cfg.patch_size * cfg.spatial_merge_size
     image = image.convert("RGB")
     h, w = smart_resize(image.height, image.width, factor, cfg.min_pixels, cfg.max_pixels)
     if (h, w) != (image.height, image.width):
         image = image.resize((w, h), Image.BICUBIC)
-    mean, std = np.array(cfg.image_mean, dtype=np.float32), np.array(cfg.image_std, dtype=np.float32)
-    x = (np.asarray(image, dtype=np.float32) / 255.0 - mean) / std  # H, W, C
-    x = x.transpose(2, 0, 1)[None]  # 1, C, H, W
-    tps, ps, m = cfg.temporal_patch_size, cfg.patch_size, cfg.spatial_merge_size
-    x = np.repeat(x, tps, axis=0)  # a still image fills the temporal patch
-    c = x.shape[1]
-    gt, gh, gw = 1, h // ps, w // ps
-    x = x.reshape(gt, tps, c, gh // m, m, ps, gw // m, m, ps)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    patches = x.reshape(gt * gh * gw, c * tps * ps * ps)
-    return torch.from_numpy(np.ascontiguousarray(patches)), torch.tensor([gt, gh, gw])
+    return patchify(normalised(image, cfg)[None], cfg)
 
 
 def num_image_tokens(grid_thw: torch.Tensor, cfg: VisionConfig) -> int:

@@ -161,6 +161,16 @@ def validate_model(m: ModelConfig) -> None:
         )
     if v.min_pixels > v.max_pixels:
         raise RecipeError(f"model.vision.min_pixels: {v.min_pixels} is above model.vision.max_pixels={v.max_pixels}")
+    if v.video_min_pixels > v.video_max_pixels:
+        raise RecipeError(
+            f"model.vision.video_min_pixels: {v.video_min_pixels} is above "
+            f"model.vision.video_max_pixels={v.video_max_pixels}"
+        )
+    if v.video_min_frames > v.video_max_frames:
+        raise RecipeError(
+            f"model.vision.video_min_frames: {v.video_min_frames} is above "
+            f"model.vision.video_max_frames={v.video_max_frames}"
+        )
     for key, values in (("image_mean", v.image_mean), ("image_std", v.image_std)):
         if len(values) != 3 or not all(math.isfinite(x) and (key == "image_mean" or x > 0) for x in values):
             above = " above 0" if key == "image_std" else ""

@@ -210,7 +210,10 @@ class VLM(nn.Module):
             tower = m.tower(self)
             if tower is None:
                 continue
-            own = next(iter(m.parameter_parts(self).values()))  # the tower's own part (vision less its merger)
+            parts = m.parameter_parts(self)
+            if not parts:  # a medium read by another modality's tower (video: the vision tower)
+                continue
+            own = next(iter(parts.values()))  # the tower's own part (vision less its merger)
             if on and any(p.requires_grad for p in own):
                 tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             elif tower.gradient_checkpointing:
@@ -218,7 +221,11 @@ class VLM(nn.Module):
 
     def tower_modules(self) -> list[nn.Module]:
         """The towers this model has (vision, audio; an absent one is left out)."""
-        return [t for t in (m.tower(self) for m in modalities()) if t is not None]
+        towers: list[nn.Module] = []
+        for t in (m.tower(self) for m in modalities()):  # video shares the vision tower: listed once
+            if t is not None and not any(t is u for u in towers):
+                towers.append(t)
+        return towers
 
     @property
     def device(self) -> torch.device:
@@ -421,10 +428,21 @@ class VLM(nn.Module):
         [3, B, T], image tokens at their (t, h, w) grid positions (transformers' get_rope_index)."""
         if self.language_model.cfg.mrope_section is None or self.image_token_id is None:
             return (attention_mask.long().cumsum(-1) - 1).clamp(min=0), None
-        grids = [[m.grid for m in row if m.kind == "image"] for row in row_media]
+        # Qwen2.5-VL spaces a clip's temporal patches by their time (vision_config.tokens_per_second
+        # positions a second); Qwen2-VL by one position a patch
+        per_second = getattr(self.visual.config, "tokens_per_second", None)
+        grids = [
+            [
+                (m.grid, m.seconds_per_grid * per_second if m.kind == "video" and per_second is not None else 1.0)
+                for m in row
+                if m.kind in ("image", "video")
+            ]
+            for row in row_media
+        ]
+        placeholders = {self.media_tokens_of[k].placeholder for k in ("image", "video") if self.media_tokens_of[k]}
         # a walk over each row's tokens: on the host, then the positions to the model's device
         positions, deltas = rope_index(
-            to_host(input_ids), to_host(attention_mask), grids, self.image_token_id, self.cfg.vision.spatial_merge_size
+            to_host(input_ids), to_host(attention_mask), grids, placeholders, self.cfg.vision.spatial_merge_size
         )
         return to_device(positions, input_ids.device), to_device(deltas, input_ids.device)
 

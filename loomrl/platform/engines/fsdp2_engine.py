@@ -237,8 +237,10 @@ class FSDP2TrainEngine:
         """A tower no micro-batch of the mini-batch used got zeros from the reduction (unused
         parameters are reduced as zeros): no gradient, as in the torch engine, so AdamW skips it."""
         kinds = _media_kinds(micro_batches)
+        used = [m.tower(self.model) for m in modalities() if m.name in kinds]  # video runs the image tower
         for m in modalities():
-            if m.name in kinds or m.tower(self.model) is None:
+            tower = m.tower(self.model)
+            if tower is None or any(tower is t for t in used):
                 continue
             for params in m.parameter_parts(self.model).values():
                 for p in params:
