@@ -112,7 +112,6 @@ def _preprocessor(folder, processor: str, patch: int, **bounds) -> None:
 
 def png(seed: int, h: int, w: int) -> bytes:
     """A random h x w RGB image, PNG-encoded."""
-    import io
 
     import numpy as np
     from PIL import Image
@@ -226,15 +225,18 @@ def _qwen3_vl(folder, words=(), chat_template=None):
     return model
 
 
-def clip(seed=0, frames=8, height=64, width=80, fps=4, container="mp4", codec="mpeg4"):
+def clip(seed=0, frames=8, height=64, width=80, fps=4, container="mp4", codec="mpeg4", options=None):
     """A real short video's bytes, encoded with PyAV (FFmpeg): moving coloured noise, `frames` frames
-    of height x width at `fps` frames per second."""
+    of height x width at `fps` frames per second. options: the muxer's (e.g. movflags=faststart)."""
     import av
 
     rng = np.random.RandomState(seed)
     base = (rng.rand(height, width, 3) * 255).astype("uint8")
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format=container) as out:
+    import tempfile
+
+    handle, path = tempfile.mkstemp(suffix="." + container)  # a file: faststart rewrites it in a second pass
+    os.close(handle)
+    with av.open(path, mode="w", format=container, options=options or {}) as out:
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(frames):
@@ -243,4 +245,8 @@ def clip(seed=0, frames=8, height=64, width=80, fps=4, container="mp4", codec="m
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)
-    return buf.getvalue()
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    finally:
+        os.remove(path)

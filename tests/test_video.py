@@ -3,6 +3,10 @@ real clips encoded with PyAV: the sampling, the patches, M-RoPE with absolute ti
 against transformers' forward, the encoder's dedup, and the guards against hostile clips."""
 
 import dataclasses
+import json
+import re
+import struct
+import tarfile
 
 import pytest
 import torch
@@ -161,3 +165,86 @@ def _png():
     buf = io.BytesIO()
     Image.fromarray((np.random.RandomState(0).rand(60, 80, 3) * 255).astype("uint8")).save(buf, "PNG")
     return buf.getvalue()
+
+
+def _avi(width, height, frames=4, claim_frames=None):
+    """A real raw-video AVI of 16x16 frames whose headers then claim width x height frames (the
+    size of raw video is the container's) and, optionally, `claim_frames` frames."""
+    data = bytearray(clip(frames=frames, height=16, width=16, container="avi", codec="rawvideo"))
+    strf, avih, strh = data.index(b"strf") + 8, data.index(b"avih") + 8, data.index(b"strh") + 8
+    data[strf + 4 : strf + 12] = struct.pack("<ii", width, height)  # BITMAPINFOHEADER biWidth, biHeight
+    data[avih + 32 : avih + 40] = struct.pack("<II", width, height)  # dwWidth, dwHeight
+    if claim_frames is not None:
+        data[avih + 16 : avih + 20] = struct.pack("<I", claim_frames)  # dwTotalFrames
+        data[strh + 32 : strh + 36] = struct.pack("<I", claim_frames)  # dwLength
+    return bytes(data)
+
+
+def hostile_clips() -> dict[str, tuple[bytes, str, str]]:
+    """name -> (bytes, the rejection code `shards make` gives, a piece of its reason)."""
+    faststart = clip(seed=5, frames=8, options={"movflags": "faststart"})  # the header first: a cut shows
+    return {
+        "truncated.mp4": (faststart[: len(faststart) // 2], "bad-video", "truncated: the header says 8 frames"),
+        "cut_index.mp4": (clip(seed=5, frames=8)[:-300], "not-a-video", "not a video FFmpeg can open"),
+        "billion.avi": (_avi(16, 16, claim_frames=10**9), "video-too-long", "claims 1000000000 frames"),
+        "huge.avi": (_avi(30000, 30000), "bad-video", "no frame size FFmpeg can use"),
+        "large.avi": (_avi(10000, 10000), "video-too-large", "10000x10000 pixels exceed the limit"),
+        "picture.mp4": (_png(), "not-a-video", "not a video container"),
+        "text.mp4": (b"this is not a video, just text with an .mp4 name\n" * 20, "not-a-video", "FFmpeg can open"),
+    }
+
+
+def test_hostile_clips_never_reach_training(checkpoint):
+    kind, hf, tok, policy = checkpoint
+    for name, (data, _, reason) in hostile_clips().items():
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            load_medium("video", data, policy.cfg)
+    with pytest.raises(ValueError, match="over the limit of 1 s"):  # vision.max_video_seconds
+        load_medium(
+            "video",
+            clip(frames=12, fps=4),
+            dataclasses.replace(policy.cfg, vision=dataclasses.replace(policy.cfg.vision, max_video_seconds=1.0)),
+        )
+
+
+def test_shards_make_rejects_hostile_clips_with_their_reason(tmp_path, capsys):
+    from loomrl.datasets.cli import main
+    from loomrl.datasets.shards import read_shards
+
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "good.mp4").write_bytes(clip(seed=6, frames=8))
+    (media / "good.mkv").write_bytes(clip(seed=7, frames=6, container="matroska"))
+    rows = [
+        {"id": "good", "prompt": "<video> what moves ?", "answer": "noise", "videos": ["media/good.mp4"]},
+        {
+            "id": "chat",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "video", "video": "media/good.mkv"}, {"type": "text", "text": "and here ?"}],
+                }
+            ],
+        },
+    ]
+    hostile = hostile_clips()
+    for name, (data, _, _) in hostile.items():
+        (media / name).write_bytes(data)
+        rows.append({"id": name.split(".")[0], "prompt": "<video> what moves ?", "videos": [f"media/{name}"]})
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "shards"
+    assert main(["make", str(tmp_path / "train.jsonl"), "--out", f"{out}/train-%06d.tar"]) == 0
+    rejected = {r["id"]: r for r in map(json.loads, (out / "train-rejected.jsonl").read_text().splitlines())}
+    assert sorted(rejected) == sorted(name.split(".")[0] for name in hostile)
+    for name, (_, code, reason) in hostile.items():
+        r = rejected[name.split(".")[0]]
+        assert (r["code"], r["file"].endswith(name)) == (code, True) and reason in r["reason"], r
+    samples = list(read_shards(sorted(str(p) for p in out.glob("*.tar"))))
+    assert sorted(s["id"] for s in samples) == ["chat", "good"]
+    stored = {s["id"]: s["media"][0] for s in samples}
+    assert stored["good"][0] == stored["chat"][0] == "video"
+    assert stored["good"][2] == (media / "good.mp4").read_bytes()  # stored as it came, not re-encoded
+    with tarfile.open(next(out.glob("*.tar"))) as tar:
+        assert {"good.vid0.mp4", "chat.vid0.mkv"} <= set(tar.getnames())
+    assert f"rejected {len(hostile)}:" in capsys.readouterr().out
+    assert main(["verify", f"{out}/train-*.tar"]) == 0

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError, load_sample, open_shard, read_header, scan_shard
 from loomrl.encoders.media import MAX_AUDIO_SECONDS, data_error, decode_audio, decode_image
+from loomrl.encoders.video import check_video
 
 
 @dataclass
@@ -42,6 +43,7 @@ def verify_shard(
     max_pixels: int = 50_000_000,
     max_member_bytes: int = MAX_MEMBER_BYTES,
     max_audio_seconds: float = MAX_AUDIO_SECONDS,
+    max_video_seconds: float = 600.0,
 ) -> Iterator[tuple[str, Fault | None]]:
     """(sample key, fault or None) for every sample of a shard. A fault in the
     tar structure (hostile member, damage) ends the shard with one fault."""
@@ -64,6 +66,7 @@ def verify_shard(
                         sample_rate=sample_rate,
                         max_pixels=max_pixels,
                         max_audio_seconds=max_audio_seconds,
+                        max_video_seconds=max_video_seconds,
                     ),
                 )
     except ShardError as e:
@@ -81,11 +84,14 @@ def _decode_fault(
     sample_rate: int,
     max_pixels: int,
     max_audio_seconds: float,
+    max_video_seconds: float,
 ) -> Fault | None:
     for member, (kind, _, data) in zip(members, sample["media"]):
         try:
             if kind == "image":
                 decode_image(data, max_pixels)
+            elif kind == "video":
+                check_video(data, max_video_seconds, max_pixels)
             else:
                 decode_audio(data, sample_rate, max_audio_seconds)  # the length is checked before decoding
         except Exception as e:  # whatever the decoder raises is a fault to report, not to crash on

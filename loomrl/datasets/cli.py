@@ -22,6 +22,7 @@ from loomrl.datasets.manifest import FIELD_KEYS, ReadOptions
 from loomrl.datasets.prepare import Limits, MakeResult, RejectionEcho, make_shards, rejected_path
 from loomrl.datasets.shards import MAX_MEMBER_BYTES, ShardError, check_pattern, existing_shards
 from loomrl.datasets.sources import SourceError
+from loomrl.encoders.config import MAX_VIDEO_SECONDS
 
 _UNITS = {
     "": 1,
@@ -65,15 +66,22 @@ def thread_count(text: str) -> int:
     return positive_int(text, most=256)  # a thread per pending sample: a huge count would be that many threads
 
 
-def positive_seconds(text: str) -> float:
-    """A finite number of seconds above 0."""
+def positive_seconds(text: str, most: float = float("inf")) -> float:
+    """A finite number of seconds above 0 (and at most `most`)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not 0 < value < float("inf"):  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text!r}")
+    if value > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most:g} seconds, got {text!r}")
     return value
+
+
+def video_seconds(text: str) -> float:
+    """The longest video: positive, at most MAX_VIDEO_SECONDS (3 hours)."""
+    return positive_seconds(text, MAX_VIDEO_SECONDS)
 
 
 def field_mapping(text: str) -> tuple[str, str]:
@@ -183,6 +191,7 @@ def run_make(args, options: ReadOptions) -> MakeResult:
         sample_rate=args.sample_rate,
         max_pixels=args.max_pixels,
         max_audio_seconds=args.max_audio_seconds,
+        max_video_seconds=args.max_video_seconds,
         max_file_bytes=args.max_file_bytes,
     )
     echo = RejectionEcho()
@@ -224,6 +233,7 @@ def cmd_verify(args) -> int:
         max_pixels=args.max_pixels,
         max_member_bytes=args.max_member_bytes,
         max_audio_seconds=args.max_audio_seconds,
+        max_video_seconds=args.max_video_seconds,
     )
     status = "OK" if not result.faults else f"{len(result.faults)} FAULT(S)"
     print(f"verified {result.samples} samples in {result.shards} shard(s): {status}")
@@ -282,7 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 if any sample is rejected")
     p.add_argument("--sample-rate", type=positive_int, default=16000, help="audio is stored mono at this rate (Hz)")
     p.add_argument("--max-pixels", type=positive_int, default=50_000_000, help="largest image (width x height)")
-    p.add_argument("--max-audio-seconds", type=positive_seconds, default=60.0, help="longest clip")
+    p.add_argument("--max-audio-seconds", type=positive_seconds, default=60.0, help="longest audio clip")
+    p.add_argument(
+        "--max-video-seconds",
+        type=video_seconds,
+        default=600.0,
+        help="longest video, checked from its header before decoding (default 600)",
+    )
     p.add_argument(
         "--max-file-bytes",
         type=byte_count,
@@ -296,13 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=KEY",
-        help="read field NAME (id, prompt, answer, images, audio, chosen, rejected) from manifest key KEY only; "
-        "repeatable (default keys: docs/shards.md)",
+        help="read field NAME (id, prompt, answer, images, audio, videos, chosen, rejected) from manifest key "
+        "KEY only; repeatable (default keys: docs/shards.md)",
     )
     p.add_argument(
         "--require-markers",
         action="store_true",
-        help="reject a prompt with media but no <image>/<audio> marker (default: the media are placed before its text)",
+        help="reject a prompt with media but no <image>/<audio>/<video> marker "
+        "(default: the media are placed before its text)",
     )
     p.add_argument(
         "--allow-outside",
@@ -335,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
                 type=positive_seconds,
                 default=60.0,
                 help="longest clip accepted, checked from its header before decoding",
+            )
+            p.add_argument(
+                "--max-video-seconds",
+                type=video_seconds,
+                default=600.0,
+                help="longest video accepted, checked from its header before decoding",
             )
         else:
             p.add_argument("--json", action="store_true", help="print the numbers as JSON")

@@ -15,8 +15,9 @@ Detection is per record, without flags (`detect`); `--format NAME` forces one:
 - `chat` (OpenAI / Hugging Face): `messages` is a list of `{"role": "system"|"user"|"assistant",
   "content": str | [parts]}`; parts `{"type": "text", "text"}`, `{"type": "image", "image"}` (or
   `url` / `path`), `{"type": "image_url", "image_url": {"url"}}`, `{"type": "audio", "audio"}`,
-  `{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}`; an image or audio
-  part without a value takes the next medium of the record's `images` / `audio` list (TRL style);
+  `{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}`, `{"type": "video",
+  "video"}` (or `video_url`); an image, audio or video part without a value takes the next medium
+  of the record's `images` / `audio` / `videos` list (TRL style);
 - `verl`: `prompt` is a list of chat messages, the answer `reward_model.ground_truth`, media
   under `images`; `data_source`, `extra_info` and the rest go to meta;
 - `easyr1`: `problem` (with `<image>`), `images`, `answer`.
@@ -64,6 +65,8 @@ PARTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "image_url": ("image", ("image_url",)),
     "audio": ("audio", ("audio", "url", "path")),
     "input_audio": ("audio", ("input_audio",)),
+    "video": ("video", ("video", "url", "path")),
+    "video_url": ("video", ("video_url",)),
 }
 
 
@@ -199,7 +202,7 @@ def _part(talk: Talk, part: object, where: str) -> str:
     key, value = _value(part, keys)
     if key is None:  # {"type": "image"}: the next of the record's `images`
         return talk.take(medium)
-    if kind == "image_url":
+    if kind in ("image_url", "video_url"):
         value = value.get("url") if isinstance(value, dict) else value
     elif kind == "input_audio":
         value = _input_audio(value, f"{where}.{key}", talk.sample_id)

@@ -55,6 +55,7 @@ from loomrl.datasets.shards import MAX_MEMBER_BYTES, write_shards
 from loomrl.datasets.sources import Source
 from loomrl.encoders.base import modality
 from loomrl.encoders.media import AudioTooLong, data_error, decode_image, read_audio, resample
+from loomrl.encoders.video import VideoTooLarge, VideoTooLong, check_video
 
 KEEP_IMAGE_FORMATS = {"PNG": "png", "JPEG": "jpg", "WEBP": "webp"}
 
@@ -66,6 +67,7 @@ class Limits:
     sample_rate: int = 16000
     max_pixels: int = 50_000_000
     max_audio_seconds: float = 60.0
+    max_video_seconds: float = 600.0
     max_file_bytes: int = MAX_MEMBER_BYTES
 
 
@@ -130,6 +132,25 @@ def prepare_audio(data: bytes, limits: Limits) -> bytes:
     # Resampling can overshoot full scale a little; clip rather than let PCM wrap.
     sf.write(buf, np.clip(wave, -1.0, 1.0), limits.sample_rate, format="WAV", subtype="PCM_16")
     return buf.getvalue()
+
+
+def prepare_video(data: bytes, limits: Limits) -> str:
+    """The extension to store a valid clip under (its bytes are stored as they are); raises Reject.
+    The same reader the trainer uses: the header's length and frame count are checked before any
+    frame is decoded, then every frame is decoded with the pixel guard (a truncated file shows)."""
+    try:
+        ext, _ = check_video(data, limits.max_video_seconds, limits.max_pixels)
+    except VideoTooLong as e:
+        raise Reject("video-too-long", str(e)) from None
+    except VideoTooLarge as e:
+        raise Reject("video-too-large", str(e)) from None
+    except ValueError as e:
+        text = str(e)
+        code = "not-a-video" if text.startswith(("not a video", "a '")) or "no video stream" in text else "bad-video"
+        raise Reject(code, text) from None
+    except Exception as e:  # noqa: BLE001 - whatever FFmpeg raises on a hostile file is the file's fault
+        raise Reject("bad-video", f"cannot decode ({data_error(e)})") from None
+    return ext
 
 
 def _sf_message(e: Exception) -> str:
@@ -206,6 +227,8 @@ def prepare_entry(entry: Entry, limits: Limits) -> Union[dict, Rejection]:
             data = read_medium(item, limits)
             if item.kind == "image":
                 ext, stored = prepare_image(data, limits)
+            elif item.kind == "video":
+                ext, stored = prepare_video(data, limits), data
             else:
                 ext, stored = "wav", prepare_audio(data, limits)
             if len(stored) > limits.max_file_bytes:

@@ -55,6 +55,14 @@ DEFAULT_MAX_PIXELS = 50_000_000
 """A decoded frame's area limit (`shards make --max-pixels`' default, as for images)."""
 
 
+class VideoTooLong(ValueError):
+    """A clip over the length (or frame) limit, found before it was decoded."""
+
+
+class VideoTooLarge(ValueError):
+    """A clip whose frames are over the pixel limit, found before they became arrays."""
+
+
 @dataclass
 class VideoInfo:
     """What a clip's container says, checked: frames (counted), frames per second, size."""
@@ -71,7 +79,7 @@ def _open(data: bytes):
     try:
         container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except av.FFmpegError as e:
-        raise ValueError(f"not a video PyAV can open ({e})") from None
+        raise ValueError(f"not a video FFmpeg can open ({e})") from None
     names = set(container.format.name.split(","))
     if not names & VIDEO_CONTAINERS:
         container.close()
@@ -89,11 +97,16 @@ def probe_video(container, max_seconds: float, max_pixels: int) -> VideoInfo:
     Reads packets (no decoding) to count the frames, at most max_seconds x MAX_FPS of them."""
     stream = container.streams.video[0]
     width, height = stream.codec_context.width, stream.codec_context.height
+    if width <= 0 or height <= 0:  # FFmpeg drops a size it refuses (over 2^28 pixels) and reads none
+        raise ValueError(
+            f"the video stream has no frame size FFmpeg can use ({width}x{height}; it refuses frames of "
+            "over 2^28 pixels)"
+        )
     if width * height > max_pixels:
-        raise ValueError(f"frames of {width}x{height} pixels exceed the limit {max_pixels}")
+        raise VideoTooLarge(f"frames of {width}x{height} pixels exceed the limit {max_pixels}")
     budget = math.ceil(max_seconds * MAX_FPS)
     if stream.frames > budget:
-        raise ValueError(
+        raise VideoTooLong(
             f"the container claims {stream.frames} frames, over the {budget} a clip of at most "
             f"{max_seconds:g} s may have ({MAX_FPS} per second)"
         )
@@ -103,7 +116,7 @@ def probe_video(container, max_seconds: float, max_pixels: int) -> VideoInfo:
     elif container.duration is not None:
         seconds = container.duration / 1_000_000
     if seconds is not None and seconds > max_seconds:
-        raise ValueError(f"clip of {seconds:.1f} s is over the limit of {max_seconds:g} s")
+        raise VideoTooLong(f"clip of {seconds:.1f} s is over the limit of {max_seconds:g} s")
     frames, last = 0, 0.0
     for packet in container.demux(stream):
         if packet.size == 0:  # the demuxer's end-of-stream flush
@@ -112,7 +125,7 @@ def probe_video(container, max_seconds: float, max_pixels: int) -> VideoInfo:
         if packet.pts is not None and packet.time_base is not None:
             last = max(last, float(packet.pts * packet.time_base))
         if frames > budget or last > max_seconds:
-            raise ValueError(f"clip holds more than {max_seconds:g} s of frames (over the limit)")
+            raise VideoTooLong(f"clip holds more than {max_seconds:g} s of frames (over the limit)")
     if frames == 0:
         raise ValueError("the video stream has no frames")
     if stream.frames and frames < stream.frames:
@@ -138,32 +151,63 @@ def sample_indices(total: int, video_fps: float, cfg: VisionConfig) -> list[int]
     return torch.linspace(0, total - 1, n).round().long().tolist()
 
 
-def read_video(data: bytes, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, float]:
-    """(sampled frames [T, H, W, 3] uint8, the sampling rate in frames per second) of a clip's
-    bytes; ValueError (naming the bound, or FFmpeg's reason) for anything that is not a readable
-    clip within `cfg.max_video_seconds` and `max_pixels` per frame."""
+def _decode(data: bytes, info: VideoInfo, wanted: set[int], max_pixels: int) -> dict[int, np.ndarray]:
+    """Decode a clip's first video stream up to its last wanted frame; the wanted frames as RGB arrays.
+    Every decoded frame's size is checked first; fewer frames than the probe counted is truncation."""
     import av
 
-    container = _open(data)
+    frames: dict[int, np.ndarray] = {}
+    last = max(wanted) if wanted else info.frames - 1
+    decoded = 0
     try:
-        with container:
-            info = probe_video(container, cfg.max_video_seconds, max_pixels)
-            wanted = sample_indices(info.frames, info.fps, cfg)
-        container = _open(data)
-        frames: dict[int, np.ndarray] = {}
-        with container:
-            stream = container.streams.video[0]
-            for i, frame in enumerate(container.decode(stream)):
-                if i > wanted[-1]:
+        with _open(data) as container:
+            for i, frame in enumerate(container.decode(container.streams.video[0])):
+                if i > last:
                     break
+                decoded = i + 1
                 if frame.width * frame.height > max_pixels:
-                    raise ValueError(f"frame {i} of {frame.width}x{frame.height} pixels exceeds the limit {max_pixels}")
+                    raise VideoTooLarge(
+                        f"frame {i} of {frame.width}x{frame.height} pixels exceeds the limit {max_pixels}"
+                    )
                 if i in wanted:
                     frames[i] = frame.to_ndarray(format="rgb24")
     except av.FFmpegError as e:
         raise ValueError(f"cannot decode the clip ({e})") from None
-    if len(frames) < len(set(wanted)):
-        raise ValueError(f"truncated: {len(frames)} of the {len(set(wanted))} sampled frames decode")
+    if decoded <= last:
+        raise ValueError(f"truncated: {decoded} of the {info.frames} frames the container holds decode")
+    return frames
+
+
+def _probe(data: bytes, max_seconds: float, max_pixels: int) -> tuple[VideoInfo, str]:
+    import av
+
+    try:
+        with _open(data) as container:
+            return probe_video(container, max_seconds, max_pixels), container.format.name
+    except av.FFmpegError as e:
+        raise ValueError(f"cannot read the clip ({e})") from None
+
+
+# container (FFmpeg demuxer name) -> the extension a shard stores the clip under
+EXTENSIONS = {"mov": "mp4", "matroska": "mkv", "avi": "avi", "mpeg": "mpg", "mpegts": "ts", "ogg": "ogv", "flv": "flv"}
+
+
+def check_video(data: bytes, max_seconds: float, max_pixels: int) -> tuple[str, VideoInfo]:
+    """(the extension to store it under, its facts) of a clip that decodes whole within the bounds:
+    what `shards make` and `shards verify` accept. VideoTooLong / VideoTooLarge / ValueError."""
+    info, fmt = _probe(data, max_seconds, max_pixels)
+    _decode(data, info, set(), max_pixels)
+    ext = next((e for name, e in EXTENSIONS.items() if name in fmt.split(",")), "mp4")
+    return ext, info
+
+
+def read_video(data: bytes, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, float]:
+    """(sampled frames [T, H, W, 3] uint8, the sampling rate in frames per second) of a clip's
+    bytes; ValueError (naming the bound, or FFmpeg's reason) for anything that is not a readable
+    clip within `cfg.max_video_seconds` and `max_pixels` per frame."""
+    info, _ = _probe(data, cfg.max_video_seconds, max_pixels)
+    wanted = sample_indices(info.frames, info.fps, cfg)
+    frames = _decode(data, info, set(wanted), max_pixels)
     sample_fps = len(wanted) / info.frames * info.fps
     return np.stack([frames[i] for i in wanted]), sample_fps
 
