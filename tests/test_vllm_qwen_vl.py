@@ -184,18 +184,29 @@ def test_ngramrl_drafting_inside_vllm_keeps_greedy_output_and_logprobs(plain, dr
 
 
 def test_qwen2_5_vl_policy_is_served_as_qwen2_5_vl(tmp_path, prompts):
-    """The same for a Qwen2.5-VL checkpoint (windowed vision tower; the same language model)."""
+    """The same for a Qwen2.5-VL checkpoint (windowed vision tower; the same language model), with
+    video prompts too: a 12 s clip, whose temporal positions (absolute time) outgrow its height and
+    width, so the text after it sits where vLLM's rule (max + 1) puts it."""
+    from qwen_checkpoints import clip
+
     folder = str(tmp_path)
     _qwen2_vl(folder, "qwen2_5_vl", vocab_size=VOCAB + 16)
     tok = load_tokenizer(folder)
     model = build_policy(dataclasses.replace(MODEL, tokenizer=folder, init_from=folder), tok, seed=0).eval()
     # the same tokenizer and image sizes: the module's prompts carry over
     assert model.prompt_ids(tok, "w1 w2 <image> w3 <image> w4", prompts[0].media) == prompts[0].ids
+    long_clip = load_medium("video", clip(seed=1, frames=48, fps=4), model.cfg)  # 12 temporal patches
+    short_clip = load_medium("video", clip(seed=2, frames=8, fps=8), model.cfg)
+    image = prompts[0].media[0]
+    videos = [
+        Prompt("v0", model.prompt_ids(tok, "w1 <video> w2 w3", [long_clip]), [long_clip]),
+        Prompt("v1", model.prompt_ids(tok, "w4 <image> w5 <video> w6", [image, short_clip]), [image, short_clip]),
+    ]
     engine = VLLMRolloutEngine(model, VLLMConfig(), temperature=SAMPLED.temperature)
     try:
         assert engine.llm.llm_engine.model_config.architectures == ["Qwen2_5_VLForConditionalGeneration"]
-        mean, worst, n = logprob_gap(engine, model, prompts[:2], SAMPLED, torch.Generator().manual_seed(5))
-        assert n >= 8 and worst < 1e-4, (mean, worst)
+        mean, worst, n = logprob_gap(engine, model, prompts[:2] + videos, SAMPLED, torch.Generator().manual_seed(5))
+        assert n >= 16 and worst < 1e-4, (mean, worst)
     finally:
         engine.shutdown()
 

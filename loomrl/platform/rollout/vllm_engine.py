@@ -336,9 +336,8 @@ class VLLMRolloutEngine:
                 # vLLM takes prompt embeddings on the host (it ships them to its engine process)
                 emb = to_host(model.embed(to_device(ids, model.device), [p.media], encodings)[0].to(torch.float32))
                 is_media = torch.zeros(ids.shape[1], dtype=torch.bool)  # a text-only policy has no placeholders
-                for placeholder in (model.image_token_id, model.audio_token_id):
-                    if placeholder is not None:
-                        is_media |= ids[0] == placeholder
+                for placeholder in model.placeholder_ids():
+                    is_media |= ids[0] == placeholder
                 out.append(
                     {"prompt_embeds": emb, "prompt_token_ids": list(p.ids), "prompt_is_token_ids": (~is_media).tolist()}
                 )

@@ -88,7 +88,10 @@ def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.f
     }
     if len(image.before) == 1 and len(image.after) == 1:
         config["vision_start_token_id"], config["vision_end_token_id"] = image.before[0], image.after[0]
-    if model.cfg.init_from is not None:  # ids vLLM's config reads but loomrl never uses (video)
+    video = model.media_tokens_of.get("video")
+    if video is not None:
+        config["video_token_id"] = video.placeholder
+    elif model.cfg.init_from is not None:  # an id vLLM's config reads even when the policy reads no video
         hf = read_config(model.cfg.init_from)
         config.update({k: hf[k] for k in ("video_token_id",) if k in hf})
     write_folder(folder, config, decoder_tensors(lm, served_prefix(model), dtype=dtype), overwrite=True)
@@ -108,31 +111,38 @@ def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.f
 
 
 def mrope_prompt(model, p: Prompt, encodings) -> dict:
-    """A prompt for vLLM's Qwen2-VL: token ids with each image's placeholder run collapsed to
-    one placeholder (vLLM's processor expands it back from image_grid_thw) and the trainer's
-    image encodings as precomputed embeddings, in prompt order (Qwen3-VL's with their DeepStack
-    features after each token's, the width vLLM's Qwen3-VL splits them off at)."""
-    image = model.image_token_id
-    if any(m.kind != "image" for m in p.media):
+    """A prompt for vLLM's Qwen2-VL: token ids with each image's or clip's placeholder run collapsed
+    to one placeholder (vLLM's processor expands it back from image_grid_thw / video_grid_thw) and
+    the trainer's encodings as precomputed embeddings, in prompt order (Qwen3-VL's with their
+    DeepStack features after each token's, the width vLLM's Qwen3-VL splits them off at); a clip
+    also carries `second_per_grid_ts` (Qwen2.5-VL's time in M-RoPE)."""
+    if any(m.kind not in ("image", "video") for m in p.media):
         raise ValueError(
-            f"prompt {p.id}: vLLM serves this M-RoPE policy with images only, got {[m.kind for m in p.media]}"
+            f"prompt {p.id}: vLLM serves this M-RoPE policy with images and videos only, "
+            f"got {[m.kind for m in p.media]}"
         )
+    placeholder = {kind: model.media_tokens_of[kind].placeholder for kind in {m.kind for m in p.media}}
     ids, collapsed, i = list(p.ids), [], 0
     for m in p.media:
-        n = model.media_tokens(m)
-        j = ids.index(image, i) if image in ids[i:] else len(ids)
-        if ids[j : j + n] != [image] * n:
-            raise ValueError(f"prompt {p.id}: an image's {n} placeholders are not where expected")
+        n, token = model.media_tokens(m), placeholder[m.kind]
+        j = ids.index(token, i) if token in ids[i:] else len(ids)
+        if ids[j : j + n] != [token] * n:
+            raise ValueError(f"prompt {p.id}: a {m.kind}'s {n} placeholders are not where expected")
         collapsed += ids[i : j + 1]
         i = j + n
-    if image in ids[i:]:
-        raise ValueError(f"prompt {p.id}: more image placeholders than images")
+    if any(t in ids[i:] for t in placeholder.values()):
+        raise ValueError(f"prompt {p.id}: more media placeholders than media")
     inp: dict = {"prompt_token_ids": collapsed + ids[i:]}
-    if p.media:
-        inp["multi_modal_data"] = {
-            "image": {
-                "image_embeds": to_host(torch.cat([encodings[m.key] for m in p.media]).to(torch.float32)),
-                "image_grid_thw": torch.stack([m.grid for m in p.media]),
+    data: dict = {}
+    for kind in ("image", "video"):
+        media = [m for m in p.media if m.kind == kind]
+        if media:
+            data[kind] = {
+                f"{kind}_embeds": to_host(torch.cat([encodings[m.key] for m in media]).to(torch.float32)),
+                f"{kind}_grid_thw": torch.stack([m.grid for m in media]),
             }
-        }
+    if "video" in data and model.visual is not None and hasattr(model.visual.config, "tokens_per_second"):
+        data["video"]["second_per_grid_ts"] = torch.tensor([m.seconds_per_grid for m in p.media if m.kind == "video"])
+    if data:
+        inp["multi_modal_data"] = data
     return inp

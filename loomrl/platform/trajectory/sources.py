@@ -123,7 +123,7 @@ def pack_batches(batches: list[list[Trajectory]], meta: Optional[dict] = None) -
             refs = []
             for m in t.media:
                 name = f"{m.hash}:{m.prep}"
-                refs.append([m.kind, m.hash, m.prep])
+                refs.append([m.kind, m.hash, m.prep, m.seconds_per_grid])
                 tensors.setdefault(name + "/features", m.features)
                 if m.grid is not None:
                     tensors.setdefault(name + "/grid", m.grid)
@@ -149,10 +149,11 @@ def unpack_batches(buf: torch.Tensor) -> tuple[list[list[Trajectory]], dict]:
     meta, tensors = unpack(buf)
     media: dict[str, Medium] = {}
 
-    def medium(kind: str, h: str, prep: str) -> Medium:
+    def medium(kind: str, h: str, prep: str, seconds_per_grid: float = 0.0) -> Medium:
         name = f"{h}:{prep}"
         if name not in media:
-            media[name] = Medium(kind, h, tensors[name + "/features"], tensors.get(name + "/grid"), prep)
+            features, grid = tensors[name + "/features"], tensors.get(name + "/grid")
+            media[name] = Medium(kind, h, features, grid, prep, seconds_per_grid)
         return media[name]
 
     batches = [

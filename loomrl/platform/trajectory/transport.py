@@ -173,7 +173,7 @@ class MediaLedger:
         refs, tensors = [], {}
         for m in media:
             name = f"{m.hash}:{m.prep}"
-            refs.append({"kind": m.kind, "hash": m.hash, "prep": m.prep})
+            refs.append({"kind": m.kind, "hash": m.hash, "prep": m.prep, "seconds_per_grid": m.seconds_per_grid})
             self.bytes_naive += m.nbytes
             if m.key not in have and name + "/features" not in tensors:
                 tensors[name + "/features"] = m.features
@@ -191,9 +191,8 @@ def unpack_media(refs: list[dict], tensors: dict[str, torch.Tensor], known: dict
         key = (r["hash"], r["prep"])
         name = f"{r['hash']}:{r['prep']}"
         if name + "/features" in tensors:
-            known[key] = Medium(
-                r["kind"], r["hash"], tensors[name + "/features"], tensors.get(name + "/grid"), r["prep"]
-            )
+            features, grid = tensors[name + "/features"], tensors.get(name + "/grid")
+            known[key] = Medium(r["kind"], r["hash"], features, grid, r["prep"], r.get("seconds_per_grid", 0.0))
         if key not in known:
             raise ValueError(f"transport: medium {name} was referenced but never sent")
         out.append(known[key])
