@@ -67,6 +67,21 @@ def test_load_recipe_takes_the_sizes_from_config_json(qwen2_vl):
     assert (m.hidden_size, m.vision.depth, m.vision.max_pixels, m.tokenizer) == (64, 1, 50176, "demo")
 
 
+def test_video_sampling_comes_from_video_preprocessor_config(qwen2_vl, tmp_path):
+    folder = tmp_path / "with-video"
+    shutil.copytree(qwen2_vl[0], folder)
+    video = {"fps": 1.0, "min_frames": 2, "max_frames": 8, "size": {"shortest_edge": 3136, "longest_edge": 6272}}
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    v = load_recipe(DEMO, [f"model.init_from={folder}"]).model.vision
+    assert (v.video_fps, v.video_min_frames, v.video_max_frames) == (1.0, 2, 8)
+    assert (v.video_min_pixels, v.video_max_pixels) == (3136, 6272)
+    # not strict: the recipe may sample otherwise
+    v = load_recipe(DEMO, [f"model.init_from={folder}", "model.vision.video_max_frames=16"]).model.vision
+    assert v.video_max_frames == 16 and v.video_fps == 1.0
+    # without the file, loomrl's defaults
+    assert load_recipe(DEMO, [f"model.init_from={qwen2_vl[0]}"]).model.vision.video_max_frames == 32
+
+
 def test_policy_has_the_checkpoints_parameters_and_towers(qwen2_vl):
     folder, hf = qwen2_vl
     r = load_recipe(DEMO, [f"model.init_from={folder}"])
@@ -130,7 +145,7 @@ def test_dry_run_counts_and_names_samples_the_model_cannot_read(qwen2_vl, tmp_pa
     err = capsys.readouterr().err
     assert "recipe OK" in err
     assert "note: data.shards: 4 of 6 samples will be skipped: 4 with audio, which the model" in err, err
-    assert "(it reads: image); first: " in err and "mixed/demo-000000.tar:" in err
+    assert "(it reads: image, video); first: " in err and "mixed/demo-000000.tar:" in err
     # the demo policy reads both: no note
     assert main(["run", DEMO, "--dry-run", f"data.shards={tmp_path}/mixed/*.tar"]) == 0
     assert "will be skipped" not in capsys.readouterr().err

@@ -273,6 +273,24 @@ def cmd_inspect(args) -> int:
 # --------------------------------------------------------------------------- parser
 
 
+def add_media_limits(p: argparse.ArgumentParser, rate: str) -> None:
+    """The media bounds `make` and `verify` share (prepare.Limits); `rate`: what the audio rate does."""
+    p.add_argument("--sample-rate", type=positive_int, default=16000, help=f"audio is {rate}")
+    p.add_argument("--max-pixels", type=positive_int, default=50_000_000, help="largest image or video frame (w x h)")
+    p.add_argument(
+        "--max-audio-seconds",
+        type=positive_seconds,
+        default=60.0,
+        help="longest audio clip, checked from its header before decoding (default 60)",
+    )
+    p.add_argument(
+        "--max-video-seconds",
+        type=video_seconds,
+        default=600.0,
+        help="longest video, checked from its header before decoding (default 600)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="loomrl shards", description="Prepare, verify and inspect webdataset shards.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -290,15 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--maxcount", type=positive_int, default=1000, help="samples per shard (default 1000)")
     p.add_argument("--maxsize", type=byte_count, default=None, help="bytes per shard, e.g. 1GB (default: no limit)")
     p.add_argument("--strict", action="store_true", help="exit 1 if any sample is rejected")
-    p.add_argument("--sample-rate", type=positive_int, default=16000, help="audio is stored mono at this rate (Hz)")
-    p.add_argument("--max-pixels", type=positive_int, default=50_000_000, help="largest image (width x height)")
-    p.add_argument("--max-audio-seconds", type=positive_seconds, default=60.0, help="longest audio clip")
-    p.add_argument(
-        "--max-video-seconds",
-        type=video_seconds,
-        default=600.0,
-        help="longest video, checked from its header before decoding (default 600)",
-    )
+    add_media_limits(p, "stored mono at this rate (Hz)")
     p.add_argument(
         "--max-file-bytes",
         type=byte_count,
@@ -345,20 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--max-member-bytes", type=byte_count, default=MAX_MEMBER_BYTES, help="largest tar member accepted"
         )
         if name == "verify":
-            p.add_argument("--sample-rate", type=positive_int, default=16000, help="rate audio is decoded at")
-            p.add_argument("--max-pixels", type=positive_int, default=50_000_000, help="largest image accepted")
-            p.add_argument(
-                "--max-audio-seconds",
-                type=positive_seconds,
-                default=60.0,
-                help="longest clip accepted, checked from its header before decoding",
-            )
-            p.add_argument(
-                "--max-video-seconds",
-                type=video_seconds,
-                default=600.0,
-                help="longest video accepted, checked from its header before decoding",
-            )
+            add_media_limits(p, "decoded at this rate (Hz)")
         else:
             p.add_argument("--json", action="store_true", help="print the numbers as JSON")
         p.set_defaults(fn=fn)

@@ -129,6 +129,25 @@ def vision_rows(folder: Path, cfg: dict, model_type: str, hidden_size: int) -> l
         for key in ("image_mean", "image_std"):
             if key in pre:
                 rows.append((f"vision.{key}", pre[key], pre_path, f"{key}: {show(pre[key])}", False))
+    video_path = folder / "video_preprocessor_config.json"
+    if is_file(str(video_path)):  # what transformers 5 writes for the video processor
+        pre = read_json(video_path)
+        size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+        for key, hf_key in (
+            ("video_fps", "fps"),
+            ("video_min_frames", "min_frames"),
+            ("video_max_frames", "max_frames"),
+        ):
+            if pre.get(hf_key) is not None:
+                rows.append((f"vision.{key}", pre[hf_key], video_path, f"{hf_key}: {show(pre[hf_key])}", False))
+        for key, hf_key, edge in (
+            ("video_min_pixels", "min_pixels", "shortest_edge"),
+            ("video_max_pixels", "max_pixels", "longest_edge"),
+        ):
+            if pre.get(hf_key) is not None:
+                rows.append((f"vision.{key}", pre[hf_key], video_path, f"{hf_key}: {show(pre[hf_key])}", False))
+            elif size.get(edge) is not None:
+                rows.append((f"vision.{key}", size[edge], video_path, f"size.{edge}: {show(size[edge])}", False))
     return rows
 
 

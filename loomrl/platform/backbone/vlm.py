@@ -282,9 +282,11 @@ class VLM(nn.Module):
             raise ValueError(f"prompt markers {kinds} do not match its media {[m.kind for m in media]}")
         for kind in dict.fromkeys(kinds):
             if self.media_tokens_of[kind] is None:
+                readers = ", ".join(modality(kind).checkpoint_types)
                 raise ValueError(
                     f"the prompt has {kind} but the model has no {kind} token "
-                    f"(model.init_from={self.cfg.init_from!r}, model.tokenizer={self.cfg.tokenizer!r})"
+                    f"(model.init_from={self.cfg.init_from!r}, model.tokenizer={self.cfg.tokenizer!r}; "
+                    f"checkpoints that read {kind}: {readers})"
                 )
         out: list[int] = []
         for k, piece in enumerate(pieces):
