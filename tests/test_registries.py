@@ -200,5 +200,5 @@ def test_a_new_modality_is_one_registration(scalar_modality):
     logp, _ = model.sequence_logprobs(input_ids, torch.ones_like(input_ids), [[medium]])
     logp.sum().backward()  # the medium's encoding was spliced in: its tower gets a gradient
     assert model.scalar_tower.weight.grad is not None and model.scalar_tower.weight.grad.abs().sum() > 0
-    with pytest.raises(ValueError, match="unknown medium kind 'video'; kinds: audio, image, scalar"):
-        load_medium("video", b"", cfg)
+    with pytest.raises(ValueError, match="unknown medium kind 'pointcloud'; kinds: audio, image, scalar, video"):
+        load_medium("pointcloud", b"", cfg)

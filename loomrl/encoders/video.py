@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+import av
 import numpy as np
 import torch
 from PIL import Image
@@ -74,8 +75,6 @@ class VideoInfo:
 
 
 def _open(data: bytes):
-    import av
-
     try:
         container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except av.FFmpegError as e:
@@ -154,8 +153,6 @@ def sample_indices(total: int, video_fps: float, cfg: VisionConfig) -> list[int]
 def _decode(data: bytes, info: VideoInfo, wanted: set[int], max_pixels: int) -> dict[int, np.ndarray]:
     """Decode a clip's first video stream up to its last wanted frame; the wanted frames as RGB arrays.
     Every decoded frame's size is checked first; fewer frames than the probe counted is truncation."""
-    import av
-
     frames: dict[int, np.ndarray] = {}
     last = max(wanted) if wanted else info.frames - 1
     decoded = 0
@@ -179,8 +176,6 @@ def _decode(data: bytes, info: VideoInfo, wanted: set[int], max_pixels: int) -> 
 
 
 def _probe(data: bytes, max_seconds: float, max_pixels: int) -> tuple[VideoInfo, str]:
-    import av
-
     try:
         with _open(data) as container:
             return probe_video(container, max_seconds, max_pixels), container.format.name
