@@ -6,6 +6,7 @@ test_qwen_vl_checkpoint."""
 import io
 import json
 import os
+import tempfile
 
 import numpy as np
 import torch
@@ -23,6 +24,8 @@ SPECIAL = [
     "<|AUDIO|>",
 ]
 VOCAB = 64
+# what Qwen3-VL's "<1.2 seconds>" timestamps split into under the Whitespace pre-tokenizer
+TIME_WORDS = ("<", ">", ".", "seconds", *"0123456789")
 # vLLM-CPU's attention needs head sizes that are multiples of 32 (64 / 2 heads); a large init
 # makes the output depend clearly on the media (see the "can fail" checks below).
 TEXT = dict(
@@ -232,8 +235,6 @@ def clip(seed=0, frames=8, height=64, width=80, fps=4, container="mp4", codec="m
 
     rng = np.random.RandomState(seed)
     base = (rng.rand(height, width, 3) * 255).astype("uint8")
-    import tempfile
-
     handle, path = tempfile.mkstemp(suffix="." + container)  # a file: faststart rewrites it in a second pass
     os.close(handle)
     with av.open(path, mode="w", format=container, options=options or {}) as out:

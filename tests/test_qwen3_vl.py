@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from qwen_checkpoints import QWEN3_TEXT, _qwen3_vl, png, two_step_run
+from qwen_checkpoints import QWEN3_TEXT, TIME_WORDS, _qwen3_vl, png, two_step_run
 
 from loomrl.platform.backbone import rounding as R
 from loomrl.platform.backbone.hf_io import decoder_config, load_language_model
@@ -21,7 +21,7 @@ B, T = 2, 11
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_vl")
-    return folder, _qwen3_vl(folder)
+    return folder, _qwen3_vl(folder, words=TIME_WORDS)  # timestamps tokenize: a wrong one shows
 
 
 def _inputs(hidden, levels=2, seed=0):
@@ -165,6 +165,53 @@ def test_policy_logprobs_equal_transformers(checkpoint, policy, text, images):
         assert (plain_logp[scored] - want[scored]).abs().max() > 1e-3
         with pytest.raises(ValueError, match="DeepStack"):
             model.embed(ids, [media], encodings)  # a caller that would drop DeepStack is refused
+
+
+def test_video_logprobs_equal_transformers(checkpoint, policy):
+    """A clip and an image: each temporal patch of the clip framed alone after its `<t seconds>`
+    text, M-RoPE per patch, DeepStack at the clip's tokens too; the logits are transformers'."""
+    from qwen_checkpoints import clip
+
+    from loomrl.encoders.base import load_medium
+
+    folder, hf = checkpoint
+    m, tok, model = policy
+    video = load_medium("video", clip(seed=1, frames=12, fps=4), m)  # 3 s: 6 frames, 3 temporal patches
+    image = load_medium("image", png(3, 64, 96), m)
+    assert video.grid.tolist() == [3, 4, 4] and video.times == pytest.approx((0.25, 1.375, 2.5))
+    prompt = model.prompt_ids(tok, "w1 <video> w2 <image> w3", [video, image])
+    c = hf.config
+    assert prompt.count(c.vision_start_token_id) == 4 and prompt.count(c.video_token_id) == 3 * 4
+    first = tok.convert_ids_to_tokens(prompt[1 : prompt.index(c.vision_start_token_id)])
+    assert first == ["<", "0", ".", "2", "seconds", ">"]  # "<0.2 seconds>" (0.25, as Python formats it)
+    assert tok.unk_token_id not in prompt
+    ids = torch.tensor([prompt + tok("w5 w6 w7 w8", add_special_tokens=False)["input_ids"]])
+    inputs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=(ids == c.image_token_id).long() + 2 * (ids == c.video_token_id).long(),
+        pixel_values=image.features,
+        image_grid_thw=image.grid[None],
+        pixel_values_videos=video.features,
+        video_grid_thw=video.grid[None],
+    )
+    with torch.no_grad():
+        got, _ = model.sequence_logprobs(ids, torch.ones_like(ids), [[video, image]])
+        logits = hf(**inputs).logits[0, :-1]
+    logits[:, model.banned_token_ids] = float("-inf")
+    want = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+    scored = ~torch.isin(ids[0, 1:], model.banned_token_ids)
+    assert (got[0][scored] - want[scored]).abs().max() < 1e-4
+    # the check can fail: without DeepStack at the clip's tokens (the image's kept) it scores differently
+    embeds, (mask, levels) = model.embed_inputs(ids, [[video, image]], model.encode_media([video, image]))
+    image_rows = (ids[mask] == c.image_token_id)[:, None]
+    positions, _ = model.position_ids(ids, torch.ones_like(ids), [[video, image]])
+    with torch.no_grad():
+        no_video, _ = model.forward_embeds(
+            embeds, torch.ones_like(ids), positions=positions, deepstack=(mask, [x * image_rows for x in levels])
+        )
+    no_video_logp = model.token_logprobs(no_video[0, :-1], 1.0).gather(-1, ids[0, 1:, None])[:, 0]
+    assert (no_video_logp[scored] - want[scored]).abs().max() > 1e-3
 
 
 def test_rollouts_agree_with_the_trainer(policy):

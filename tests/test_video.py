@@ -72,8 +72,9 @@ def test_frames_are_sampled_as_qwen_vl_utils_does():
     assert sample_indices(3, 30.0, cfg) == [0, 2]  # fewer frames than min_frames: its own, rounded down
     assert sample_indices(1, 30.0, cfg) == [0]  # one frame: repeated to fill the temporal patch later
     assert len(sample_indices(3000, 30.0, cfg)) == 32  # video_max_frames
-    frames, fps = read_video(clip(frames=12, fps=4), cfg)  # 3 s -> 6 frames, 2 a second
+    frames, times, fps = read_video(clip(frames=12, fps=4), cfg)  # 3 s -> 6 frames, 2 a second
     assert frames.shape == (6, 64, 80, 3) and fps == pytest.approx(2.0)
+    assert times == pytest.approx([0, 0.5, 1.0, 1.75, 2.25, 2.75])  # frames 0, 2, 4, 7, 9, 11 at 4 fps
 
 
 def test_video_logits_equal_transformers(checkpoint):

@@ -269,6 +269,7 @@ class MakeResult:
         total = sum(os.path.getsize(s) for s in self.shards)
         text = (
             f"wrote {self.samples} samples ({self.media['image']} images, {self.media['audio']} clips, "
+            f"{self.media['video']} videos, "
             f"{self.media_bytes / 1e6:.1f} MB of media) to {len(self.shards)} shard(s), "
             f"{total / 1e6:.1f} MB, in {self.seconds:.1f} s"
         )
@@ -291,6 +292,7 @@ class MakeResult:
             "shard_bytes": sum(os.path.getsize(s) for s in self.shards),
             "images": self.media["image"],
             "clips": self.media["audio"],
+            "videos": self.media["video"],
             "media_bytes": self.media_bytes,
             "markers_placed": self.markers_placed,
             "rejected": len(self.rejected),

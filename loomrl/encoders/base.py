@@ -42,11 +42,13 @@ TEXT_CHECKPOINTS = ("qwen2",)
 
 
 class MediaTokens(NamedTuple):
-    """What one medium becomes in a prompt: `before`, placeholder x its token count, `after`."""
+    """What one medium becomes in a prompt: `before`, placeholder x its token count, `after`.
+    per_frame (Qwen3-VL video): each temporal patch framed alone, after a `<t seconds>` text."""
 
     placeholder: int
     before: tuple[int, ...] = ()
     after: tuple[int, ...] = ()
+    per_frame: bool = False
 
 
 def token_id(tokenizer: Any, token: str) -> Optional[int]:
@@ -79,6 +81,17 @@ class Modality:
     def num_tokens(cls, medium: Medium, cfg: ModelConfig) -> int:
         """How many placeholder tokens `medium` takes in a prompt."""
         raise NotImplementedError
+
+    @classmethod
+    def prompt_tokens(cls, medium: Medium, spec: MediaTokens, tokenizer: Any, cfg: ModelConfig) -> list[int]:
+        """The token ids `medium` becomes in a prompt (default: before, its placeholders, after)."""
+        return [*spec.before, *[spec.placeholder] * cls.num_tokens(medium, cfg), *spec.after]
+
+    @classmethod
+    def rope_grids(cls, medium: Medium, spec: MediaTokens) -> list[tuple[Any, Optional[float]]]:
+        """(grid_thw, seconds between its temporal patches or None) of each placeholder run `medium`
+        makes, in order, for M-RoPE (`VLM.position_ids`)."""
+        return [(medium.grid, None)]
 
     # ---- the tower
     @classmethod

@@ -27,6 +27,7 @@ class Medium:
     grid: Optional[torch.Tensor] = None  # image, video: grid_thw [3]
     prep: str = ""  # fingerprint of the preprocessing settings (see settings_fingerprint)
     seconds_per_grid: float = 0.0  # video: seconds one temporal patch spans (Qwen2.5-VL's M-RoPE time)
+    times: tuple[float, ...] = ()  # video: each temporal patch's time in the clip, s (Qwen3-VL's timestamps)
 
     @property
     def nbytes(self) -> int:

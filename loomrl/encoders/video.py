@@ -196,15 +196,25 @@ def check_video(data: bytes, max_seconds: float, max_pixels: int) -> tuple[str, 
     return ext, info
 
 
-def read_video(data: bytes, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[np.ndarray, float]:
-    """(sampled frames [T, H, W, 3] uint8, the sampling rate in frames per second) of a clip's
-    bytes; ValueError (naming the bound, or FFmpeg's reason) for anything that is not a readable
-    clip within `cfg.max_video_seconds` and `max_pixels` per frame."""
+def read_video(
+    data: bytes, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> tuple[np.ndarray, list[float], float]:
+    """(sampled frames [T, H, W, 3] uint8, each one's time in the clip in seconds, the sampling rate
+    in frames per second: qwen-vl-utils' sampled / total x the clip's rate) of a clip's bytes;
+    ValueError (naming the bound, or FFmpeg's reason) for anything that is not a readable clip
+    within `cfg.max_video_seconds` and `max_pixels` per frame."""
     info, _ = _probe(data, cfg.max_video_seconds, max_pixels)
     wanted = sample_indices(info.frames, info.fps, cfg)
     frames = _decode(data, info, set(wanted), max_pixels)
     sample_fps = len(wanted) / info.frames * info.fps
-    return np.stack([frames[i] for i in wanted]), sample_fps
+    return np.stack([frames[i] for i in wanted]), [i / info.fps for i in wanted], sample_fps
+
+
+def patch_times(times: list[float], temporal_patch: int) -> tuple[float, ...]:
+    """Each temporal patch's time: the mean of its first and last frame's (a short last patch repeats
+    its last frame), as Qwen3-VL's processor stamps them (`_calculate_timestamps`)."""
+    times = times + times[-1:] * (-len(times) % temporal_patch)
+    return tuple((times[i] + times[i + temporal_patch - 1]) / 2 for i in range(0, len(times), temporal_patch))
 
 
 def preprocess_settings(cfg: VisionConfig) -> dict:
@@ -251,18 +261,38 @@ class VideoModality(Modality):
 
     order, marker, manifest_keys, file_prefix = 2, "<video>", ("videos", "video"), "vid"
     noun, tower_name, tower_attrs = "video", "vision", ()
-    checkpoint_types = ("qwen2_vl", "qwen2_5_vl")
+    checkpoint_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
     @classmethod
     def load(cls, data: bytes, cfg: ModelConfig) -> Medium:
-        frames, fps = read_video(data, cfg.vision)
+        frames, times, fps = read_video(data, cfg.vision)
         patches, grid = preprocess_video(frames, cfg.vision)
         prep = settings_fingerprint(preprocess_settings(cfg.vision))
-        return Medium("video", content_hash(data), patches, grid, prep, cfg.vision.temporal_patch_size / fps)
+        tps = cfg.vision.temporal_patch_size
+        return Medium("video", content_hash(data), patches, grid, prep, tps / fps, patch_times(times, tps))
 
     @classmethod
     def num_tokens(cls, medium: Medium, cfg: ModelConfig) -> int:
         return num_video_tokens(medium.grid, cfg.vision)
+
+    @classmethod
+    def prompt_tokens(cls, medium: Medium, spec: MediaTokens, tokenizer, cfg: ModelConfig) -> list[int]:
+        if not spec.per_frame:
+            return super().prompt_tokens(medium, spec, tokenizer, cfg)
+        per_patch = num_video_tokens(medium.grid, cfg.vision) // int(medium.grid[0])
+        out: list[int] = []
+        for t in medium.times:  # Qwen3-VL: "<1.2 seconds>" then the patch's own framed placeholders
+            out += tokenizer(f"<{t:.1f} seconds>", add_special_tokens=False)["input_ids"]
+            out += [*spec.before, *[spec.placeholder] * per_patch, *spec.after]
+        return out
+
+    @classmethod
+    def rope_grids(cls, medium: Medium, spec: MediaTokens) -> list[tuple[torch.Tensor, Optional[float]]]:
+        if spec.per_frame:  # each temporal patch is its own run, with text between
+            one = medium.grid.clone()
+            one[0] = 1
+            return [(one, None)] * int(medium.grid[0])
+        return [(medium.grid, medium.seconds_per_grid)]
 
     @classmethod
     def build_demo(cls, model: nn.Module, cfg: ModelConfig) -> None:
@@ -296,4 +326,5 @@ class VideoModality(Modality):
             checked("video_token_id", hf_config["video_token_id"]),
             tuple(checked(k, hf_config[k]) for k in ("vision_start_token_id",) if k in hf_config),
             tuple(checked(k, hf_config[k]) for k in ("vision_end_token_id",) if k in hf_config),
+            per_frame=hf_config["model_type"] == "qwen3_vl",
         )

@@ -291,8 +291,8 @@ class VLM(nn.Module):
         out: list[int] = []
         for k, piece in enumerate(pieces):
             if k % 2:
-                spec = self.media_tokens_of[kinds[k // 2]]
-                out += [*spec.before, *[spec.placeholder] * self.media_tokens(media[k // 2]), *spec.after]
+                m = media[k // 2]
+                out += modality(m.kind).prompt_tokens(m, self.media_tokens_of[m.kind], tokenizer, self.cfg)
             elif piece:
                 out += tokenizer(piece, add_special_tokens=False)["input_ids"]
         return out
@@ -431,16 +431,16 @@ class VLM(nn.Module):
         if self.language_model.cfg.mrope_section is None or self.image_token_id is None:
             return (attention_mask.long().cumsum(-1) - 1).clamp(min=0), None
         # Qwen2.5-VL spaces a clip's temporal patches by their time (vision_config.tokens_per_second
-        # positions a second); Qwen2-VL by one position a patch
+        # positions a second); Qwen2-VL by one position a patch; Qwen3-VL frames each patch alone
         per_second = getattr(self.visual.config, "tokens_per_second", None)
-        grids = [
-            [
-                (m.grid, m.seconds_per_grid * per_second if m.kind == "video" and per_second is not None else 1.0)
-                for m in row
-                if m.kind in ("image", "video")
-            ]
-            for row in row_media
-        ]
+        grids = []
+        for row in row_media:
+            runs = []
+            for m in row:
+                if m.kind in ("image", "video"):
+                    for grid, seconds in modality(m.kind).rope_grids(m, self.media_tokens_of[m.kind]):
+                        runs.append((grid, seconds * per_second if seconds is not None and per_second else 1.0))
+            grids.append(runs)
         placeholders = {self.media_tokens_of[k].placeholder for k in ("image", "video") if self.media_tokens_of[k]}
         # a walk over each row's tokens: on the host, then the positions to the model's device
         positions, deltas = rope_index(

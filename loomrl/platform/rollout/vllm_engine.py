@@ -52,6 +52,7 @@ from loomrl.config import RecipeError
 from loomrl.encoders.hf_checkpoint import deepstack_levels
 from loomrl.platform.backbone.hf_io import decoder_tensors, export_language_model
 from loomrl.platform.backbone.lora import merged_state_dict
+from loomrl.platform.backbone.tokenizer import load_tokenizer
 from loomrl.platform.memory import GIB, MemoryTerm, ModelSizes
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.rollout import vllm_proposer as P
@@ -258,6 +259,7 @@ class VLLMRolloutEngine:
                 vllm_shims.apply()  # vLLM's Qwen2-VL module and processor without torchvision
                 vllm_shims.qwen3_vl_deepstack_from_embeddings()  # DeepStack from the trainer's embeddings
                 export_mrope_language_model(self.model, folder, torch.float32)
+                self.tokenizer = load_tokenizer(self.model.cfg.tokenizer)  # Qwen3-VL clips' timestamps
                 # token ids + image embeddings; towers not built (limits 0), tokenizer for the processor
                 inputs = dict(
                     skip_tokenizer_init=False, enable_mm_embeds=True, limit_mm_per_prompt={"image": 0, "video": 0}
@@ -330,7 +332,7 @@ class VLLMRolloutEngine:
             out = []
             for p in prompts:
                 if self.mrope:
-                    out.append(mrope_prompt(self.model, p, encodings))
+                    out.append(mrope_prompt(self.model, p, encodings, self.tokenizer))
                     continue
                 ids = torch.tensor([p.ids])
                 # vLLM takes prompt embeddings on the host (it ships them to its engine process)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from loomrl.encoders.base import modality
 from loomrl.encoders.hf_checkpoint import read_config
 from loomrl.platform.backbone.hf_io import decoder_tensors, text_config, write_folder
 from loomrl.platform.backbone.tokenizer import load_tokenizer
@@ -110,27 +111,39 @@ def export_mrope_language_model(model, folder: str, dtype: torch.dtype = torch.f
     Path(folder, "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
 
 
-def mrope_prompt(model, p: Prompt, encodings) -> dict:
-    """A prompt for vLLM's Qwen2-VL: token ids with each image's or clip's placeholder run collapsed
-    to one placeholder (vLLM's processor expands it back from image_grid_thw / video_grid_thw) and
-    the trainer's encodings as precomputed embeddings, in prompt order (Qwen3-VL's with their
-    DeepStack features after each token's, the width vLLM's Qwen3-VL splits them off at); a clip
-    also carries `second_per_grid_ts` (Qwen2.5-VL's time in M-RoPE)."""
+def _find(ids: list[int], part: list[int], start: int) -> int:
+    """The first index >= start where `part` sits in `ids`; -1 when it does not."""
+    for j in range(start, len(ids) - len(part) + 1):
+        if ids[j : j + len(part)] == part:
+            return j
+    return -1
+
+
+def mrope_prompt(model, p: Prompt, encodings, tokenizer) -> dict:
+    """A prompt for vLLM's Qwen2-VL family: token ids with each medium's tokens collapsed to what
+    vLLM's processor expands again (an image's or clip's placeholder run to one placeholder, from
+    image_grid_thw / video_grid_thw; a Qwen3-VL clip's timestamped patches to one bare video token,
+    from its grid and `timestamps`, as vLLM does with transformers >= 5.10's processor) and the
+    trainer's encodings as precomputed embeddings, in prompt order (Qwen3-VL's with their DeepStack
+    features after each token's, the width vLLM's Qwen3-VL splits them off at); a Qwen2.5-VL clip
+    also carries `second_per_grid_ts` (its time in M-RoPE). `tokenizer`: the policy's (timestamps)."""
     if any(m.kind not in ("image", "video") for m in p.media):
         raise ValueError(
             f"prompt {p.id}: vLLM serves this M-RoPE policy with images and videos only, "
             f"got {[m.kind for m in p.media]}"
         )
-    placeholder = {kind: model.media_tokens_of[kind].placeholder for kind in {m.kind for m in p.media}}
     ids, collapsed, i = list(p.ids), [], 0
     for m in p.media:
-        n, token = model.media_tokens(m), placeholder[m.kind]
-        j = ids.index(token, i) if token in ids[i:] else len(ids)
-        if ids[j : j + n] != [token] * n:
-            raise ValueError(f"prompt {p.id}: a {m.kind}'s {n} placeholders are not where expected")
-        collapsed += ids[i : j + 1]
-        i = j + n
-    if any(t in ids[i:] for t in placeholder.values()):
+        spec = model.media_tokens_of[m.kind]
+        expect = modality(m.kind).prompt_tokens(m, spec, tokenizer, model.cfg)
+        j = _find(ids, expect, i)
+        if j < 0:
+            raise ValueError(f"prompt {p.id}: a {m.kind}'s {len(expect)} tokens are not where expected")
+        collapsed += ids[i:j] + (
+            [spec.placeholder] if spec.per_frame else [*spec.before, spec.placeholder, *spec.after]
+        )
+        i = j + len(expect)
+    if set(ids[i:]) & set(model.placeholder_ids()):
         raise ValueError(f"prompt {p.id}: more media placeholders than media")
     inp: dict = {"prompt_token_ids": collapsed + ids[i:]}
     data: dict = {}
@@ -141,8 +154,11 @@ def mrope_prompt(model, p: Prompt, encodings) -> dict:
                 f"{kind}_embeds": to_host(torch.cat([encodings[m.key] for m in media]).to(torch.float32)),
                 f"{kind}_grid_thw": torch.stack([m.grid for m in media]),
             }
-    if "video" in data and model.visual is not None and hasattr(model.visual.config, "tokens_per_second"):
-        data["video"]["second_per_grid_ts"] = torch.tensor([m.seconds_per_grid for m in p.media if m.kind == "video"])
+    clips = [m for m in p.media if m.kind == "video"]
+    if clips and model.media_tokens_of["video"].per_frame:
+        data["video"]["timestamps"] = [torch.tensor(m.times) for m in clips]
+    elif clips and hasattr(model.visual.config, "tokens_per_second"):
+        data["video"]["second_per_grid_ts"] = torch.tensor([m.seconds_per_grid for m in clips])
     if data:
         inp["multi_modal_data"] = data
     return inp
