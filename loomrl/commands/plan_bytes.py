@@ -189,6 +189,14 @@ def ranks_of(recipe: R.Recipe) -> Ranks:
 
 def precision_of(recipe: R.Recipe, engine: str) -> Precision:
     """Bytes per weight, activation and optimizer entry under the recipe's precision and engine."""
+    if recipe.training.precision == "bf16_params":  # BF16 weights and gradients; FP32 masters and their gradients
+        return Precision(
+            weight=2,
+            activation=2,
+            optimizer=16,
+            optimizer_what="fp32 master, its fp32 gradient sum, 2 fp32 moments",
+            dtype="bf16, fp32 masters",
+        )
     bf16 = _bf16(recipe)
     # an `autocast` engine's bf16 (torch's) is autocast: FP32 weights, gradients and optimizer, BF16 activations;
     # the others (DeepSpeed's) keep BF16 weights and gradients beside an FP32 master copy

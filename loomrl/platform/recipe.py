@@ -344,6 +344,12 @@ def validate(r: Recipe) -> None:
             f"with the {able} engine only; training.engine={t.engine!r} trains the policy alone "
             f"(use grpo, or training.engine={able})"
         )
+    if t.precision == "bf16_params" and not engine.trait("master_weights"):
+        able = " or ".join(n for n in TRAINING_ENGINES.names() if TRAINING_ENGINES.get(n).trait("master_weights"))
+        raise RecipeError(
+            f"training.precision: bf16_params (BF16 weights, FP32 masters) runs on training.engine={able}; "
+            f"training.engine={t.engine!r} has its own BF16 setting (docs/engines.md)"
+        )
     if t.deepspeed.zero_stage == 0 and (t.deepspeed.bf16 or t.deepspeed.offload_optimizer):
         raise RecipeError("training.deepspeed.zero_stage: bf16 and offload_optimizer need zero_stage >= 1")
     tp = t.megatron.tensor_parallel

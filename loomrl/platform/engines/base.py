@@ -31,6 +31,7 @@ and, for `loomrl plan` (loomrl/platform/memory.py holds the plain data they take
     padded_vocab(vocab, tp)     the vocabulary's rows as it pads them; absent: unpadded
     bf16(training)    its own BF16 switch beside `training.precision`; absent: none
     autocast          its bf16 is autocast over fp32 weights, gradients and optimizer
+    master_weights    it takes `training.precision: bf16_params` (BF16 weights, FP32 masters)
 
 Data parallelism: every rank rolls out its own share of a step's prompts and the
 ranks exchange the trajectories (`trajectory/sources.py`), so every rank holds the

@@ -123,7 +123,7 @@ class TrainingConfig:
     `cpu` never uses a GPU. Collectives: NCCL for CUDA tensors, gloo for CPU ones. Engines
     deepspeed and megatron place their own training copy (DeepSpeed's accelerator, one GPU
     per rank) and the rollout copy follows this setting."""
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "bf16_params"] = "fp32"
     """Training arithmetic. `fp32`: everything in FP32. `bf16` (mixed precision, engine torch):
     FP32 master weights, gradients and AdamW state; every training forward (the loss's, and the
     old / reference log-probs of `prepare`, so the importance ratio and the KL compare like with
@@ -134,7 +134,11 @@ class TrainingConfig:
     `model.rounding` regions round to BF16 where their input is a BF16 matmul output (see
     docs/rounding.md). Engine deepspeed: BF16 is `training.deepspeed.bf16`, and `bf16` here needs
     it true; engine megatron trains FP32 only; engine fsdp2: the same autocast over its FP32 shards,
-    and with `training.fsdp2.mixed_precision` BF16 gathered weights."""
+    and with `training.fsdp2.mixed_precision` BF16 gathered weights. `bf16_params` (engine torch):
+    BF16 compute as Megatron and DeepSpeed do it: the policy's weights are BF16 (the rollouts of the
+    built-in engine, the old / reference log-probs and the loss all run on them, `model.rounding`
+    deciding each region's rounding), AdamW steps FP32 master copies, and each micro-batch's
+    gradient is accumulated in FP32 (`engines/torch_engine.py` MasterWeights)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm-up stage."""
     nproc: int = ranged(1, ge=1)

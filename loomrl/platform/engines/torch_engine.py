@@ -30,11 +30,12 @@ LossFn = Callable[[nn.Module, object], tuple[torch.Tensor, dict[str, float]]]
 
 def autocast(precision: str, module: nn.Module) -> ContextManager:
     """The forward context of `training.precision` for `module`: BF16 autocast on the device
-    type of its first parameter for `bf16`, nothing for `fp32`."""
-    if precision == "fp32":
+    type of its first parameter for `bf16`, nothing for `fp32` and `bf16_params` (the
+    parameters themselves are BF16 there)."""
+    if precision in ("fp32", "bf16_params"):
         return contextlib.nullcontext()
     if precision != "bf16":
-        raise ValueError(f"training.precision: {precision!r} is not one of ['fp32', 'bf16']")
+        raise ValueError(f"training.precision: {precision!r} is not one of ['fp32', 'bf16', 'bf16_params']")
     device = next(module.parameters()).device.type
     return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
@@ -63,7 +64,9 @@ def training_memory(sizes: ModelSizes, prec: Precision, training, *, dp: int, tp
     )
 
 
-@TRAINING_ENGINES.register("torch", processes_max=1, value_model=True, lora=True, autocast=True, memory=training_memory)
+@TRAINING_ENGINES.register(
+    "torch", processes_max=1, value_model=True, lora=True, autocast=True, master_weights=True, memory=training_memory
+)
 class TorchTrainEngine:
     supports_hook = True  # runs a MiniBatchHook around the micro-batches (the encoding cache)
 
@@ -78,8 +81,11 @@ class TorchTrainEngine:
         self.model = model
         self.cfg = cfg
         params = [p for p in model.parameters() if p.requires_grad] if params is None else params
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay)
         self.params = params
+        # bf16_params: AdamW steps FP32 master copies; the model's own weights are their BF16 roundings
+        self.masters = MasterWeights(model, params) if cfg.precision == "bf16_params" else None
+        stepped = self.masters.fp32 if self.masters is not None else params
+        self.optimizer = torch.optim.AdamW(stepped, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay)
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
@@ -96,16 +102,23 @@ class TorchTrainEngine:
             with autocast(self.cfg.precision, self.model):
                 hook.begin(micro_batches)
         totals: dict[str, float] = {}
+        masters = self.masters
+        if masters is not None:
+            masters.zero_grad()
         for mb in micro_batches:
             with autocast(self.cfg.precision, self.model):
                 loss, stats = loss_fn(self.model, mb)
             loss.float().backward()  # FP32 already (fp32 log-softmax); backward outside autocast
+            if masters is not None:
+                masters.accumulate()  # each micro-batch's BF16 gradient into the FP32 sums
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
         if hook is not None:
             hook.finish()  # the gradients it adds must be in before clipping
-        params = [p for p in self.params if p.grad is not None]
+            if masters is not None:
+                masters.accumulate()
+        params = [p for p in (self.params if masters is None else masters.fp32) if p.grad is not None]
         if self.cfg.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         else:
@@ -114,6 +127,8 @@ class TorchTrainEngine:
 
         maybe_die("optimizer")
         self.optimizer.step()
+        if masters is not None:
+            masters.publish()  # the model's BF16 weights: the new masters, rounded
         self.model.zero_grad(set_to_none=True)  # also frees grads of parameters not optimised here
         return totals
 
@@ -122,7 +137,63 @@ class TorchTrainEngine:
         yield from self.model.state_dict().items()
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.masters is not None:  # the FP32 weights the BF16 model cannot hold
+            state["masters"] = [m.detach().clone() for m in self.masters.fp32]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.masters is not None:
+            self.masters.load(state.get("masters"))
+
+
+class MasterWeights:
+    """Megatron's and DeepSpeed's BF16 training, for one process: the model's parameters (all of
+    them, frozen ones too, so every forward runs in BF16) become BF16, and the trained ones keep an
+    FP32 master copy, which the optimizer steps. Each micro-batch's BF16 gradient is added to the
+    master's FP32 gradient as soon as it exists (FP32 accumulation, as Megatron's `main_grad` and
+    DeepSpeed's `grad_accum_dtype: fp32`); after the step the model's weights are the masters
+    rounded to BF16. So old, reference and loss log-probs all come from the BF16 weights a BF16
+    inference engine (vLLM) is given, with `model.rounding` deciding where each region rounds."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter]):
+        self.params = params
+        # a parameter keeps its master (`p.master`) from one engine to the next (warm-up -> RL), so a
+        # stage change does not round the weights
+        for p in params:
+            if getattr(p, "master", None) is None:
+                p.master = nn.Parameter(p.detach().float().clone(), requires_grad=True)
+        self.fp32 = [p.master for p in params]
+        model.to(torch.bfloat16)
+        for p in params:  # a trained module outside the model (a value head)
+            p.data = p.data.to(torch.bfloat16)
+
+    def zero_grad(self) -> None:
+        for m in self.fp32:
+            m.grad = None
+
+    def accumulate(self) -> None:
+        """Move the parameters' BF16 gradients into the masters' FP32 gradients."""
+        for p, m in zip(self.params, self.fp32):
+            if p.grad is None:
+                continue
+            g = p.grad.float()
+            m.grad = g if m.grad is None else m.grad.add_(g)
+            p.grad = None
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        for p, m in zip(self.params, self.fp32):
+            p.copy_(m)
+
+    @torch.no_grad()
+    def load(self, masters: Optional[list[torch.Tensor]]) -> None:
+        """The masters of a checkpoint (absent: an FP32 run's, the model's weights already are them)."""
+        if masters is None:
+            return
+        if len(masters) != len(self.fp32) or any(a.shape != b.shape for a, b in zip(masters, self.fp32)):
+            raise ValueError("training.precision bf16_params: the checkpoint's master weights do not fit the model")
+        for m, saved in zip(self.fp32, masters):
+            m.copy_(saved)
+        self.publish()
