@@ -300,7 +300,8 @@ def test_chat_jsonl_with_data_uris_file_urls_and_input_audio(root, capsys, monke
             "id": "remote",
             "messages": [user({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, text("x"))],
         },
-        {"id": "video", "messages": [user({"type": "video", "video": "media/clip.mp4"}, text("x"))]},
+        {"id": "video", "messages": [user({"type": "video", "video": "media/clip.mp4"}, text("x"))]},  # no such file
+        {"id": "point-cloud", "messages": [user({"type": "point_cloud", "point_cloud": "media/a.ply"}, text("x"))]},
         {"id": "vqa", "question": "What is it?", "image": "media/astronaut.png", "messages": ["kept", "as meta"]},
     ]
     (src / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -311,8 +312,8 @@ def test_chat_jsonl_with_data_uris_file_urls_and_input_audio(root, capsys, monke
     out = root / "o-chat"
     assert make(src / "chat.jsonl", "--out", f"{out}/s-%03d.tar", "--max-file-bytes", "150000") == 0
     text_out = capsys.readouterr().out
-    assert "wrote 6 samples (5 images, 1 clips" in text_out and "read as 10 chat, 1 vqa" in text_out
-    assert sorted(opened) == ["astronaut.png", "chelsea.png", "coffee.jpg"]  # inline media touch no file
+    assert "wrote 6 samples (5 images, 1 clips" in text_out and "read as 11 chat, 1 vqa" in text_out
+    assert sorted(opened) == ["astronaut.png", "chelsea.png", "clip.mp4", "coffee.jpg"]  # inline media touch no file
     assert len(base64.b64encode(big)) not in decoded  # the 200 kB data URI was refused before it was decoded
     assert len(base64.b64encode(speech)) in decoded
 
@@ -337,7 +338,8 @@ def test_chat_jsonl_with_data_uris_file_urls_and_input_audio(root, capsys, monke
         "not-image": "not-an-image",
         "too-big": "file-too-large",
         "remote": "bad-line",
-        "video": "bad-line",
+        "video": "missing-file",
+        "point-cloud": "bad-line",
     }
     assert rej["bad-b64"]["reason"].startswith(
         "field 'messages[0].content[0].image' (a data:image/png URI): not valid base64"
@@ -351,7 +353,10 @@ def test_chat_jsonl_with_data_uris_file_urls_and_input_audio(root, capsys, monke
         "limit of 150000 (refused before decoding)"
     )
     assert "'https://example.com/cat.png' is a remote URL; nothing is downloaded" in rej["remote"]["reason"]
-    assert rej["video"]["reason"].startswith("field 'messages[0].content[0].type': 'video' is not a content part")
+    assert rej["video"]["file"].endswith("media/clip.mp4")  # a video part is read like an image part
+    assert rej["point-cloud"]["reason"].startswith(
+        "field 'messages[0].content[0].type': 'point_cloud' is not a content part"
+    )
 
 
 # --------------------------------------------------------------------------- verl parquet
