@@ -315,18 +315,10 @@ def validate_trackers(lg: LoggingConfig) -> None:
             raise RecipeError(f"{key}: must not be empty")
 
 
-def validate(r: Recipe) -> None:
-    """Checks across fields and of the shard pattern (each field's range is checked at load)."""
-
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", r.name):
-        raise RecipeError(
-            f"name: {show(r.name)} must be letters, digits, '.', '_' or '-' (at most 100, not "
-            f"starting with '.' or '-'): it names the default run folder runs/NAME-TIME"
-        )
+def check_engine(r: Recipe) -> None:
+    """What the training engine's registered traits refuse: process count, a value model, BF16 weights."""
     t = r.training
-    # what the chosen parts are, and what they refuse, is their registered traits
-    engine, rollout = TRAINING_ENGINES.get(t.engine), ROLLOUT_ENGINES.get(r.rollout.engine)
-    algorithm = ALGORITHMS.get(r.algorithm.name)
+    engine, algorithm = TRAINING_ENGINES.get(t.engine), ALGORITHMS.get(r.algorithm.name)
     most = engine.trait("processes_max")
     if most is not None and t.nproc > most:
         more = " or ".join(
@@ -350,11 +342,24 @@ def validate(r: Recipe) -> None:
             f"training.precision: bf16_params (BF16 weights, FP32 masters) runs on training.engine={able}; "
             f"training.engine={t.engine!r} has its own BF16 setting (docs/engines.md)"
         )
-    if t.deepspeed.zero_stage == 0 and (t.deepspeed.bf16 or t.deepspeed.offload_optimizer):
-        raise RecipeError("training.deepspeed.zero_stage: bf16 and offload_optimizer need zero_stage >= 1")
     tp = t.megatron.tensor_parallel
     if t.nproc % tp:
         raise RecipeError(f"training.megatron.tensor_parallel: {tp} must divide training.nproc={t.nproc}")
+
+
+def validate(r: Recipe) -> None:
+    """Checks across fields and of the shard pattern (each field's range is checked at load)."""
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", r.name):
+        raise RecipeError(
+            f"name: {show(r.name)} must be letters, digits, '.', '_' or '-' (at most 100, not "
+            f"starting with '.' or '-'): it names the default run folder runs/NAME-TIME"
+        )
+    t = r.training
+    # what the chosen parts are, and what they refuse, is their registered traits
+    engine, rollout = TRAINING_ENGINES.get(t.engine), ROLLOUT_ENGINES.get(r.rollout.engine)
+    algorithm = ALGORITHMS.get(r.algorithm.name)
+    check_engine(r)
     if engine.trait("check") is not None:
         engine.trait("check")(r)
     resolve_rounding(r.model.rounding, rollout.trait("rounding"))
