@@ -125,11 +125,8 @@ def memory_tools(which, recipe, policy, batches, loss_fn, build) -> dict:
     frozen_policy.freeze(parts)
     ref = copy.deepcopy(frozen_policy)
     out = {"torch_frozen": train(TorchTrainEngine(ref, recipe.training), batches, loss_fn, hook_for=recipe)}
-    cfg = copy.deepcopy(recipe.training)
+    cfg = configured(recipe.training, settings)
     cfg.activation_checkpointing, cfg.freeze = True, parts
-    for key, value in settings.items():
-        section, field = key.split(".")
-        setattr(getattr(cfg, section), field, value)
     trained = copy.deepcopy(frozen_policy)
     trained.set_activation_checkpointing(True)
     engine = build(cfg, trained)
@@ -154,6 +151,15 @@ def memory_tools(which, recipe, policy, batches, loss_fn, build) -> dict:
     out[name + "_frozen_maxdiff"] = max(float((exported[k] - start[k]).abs().max()) for k in names)
     out[name + "_weights_maxdiff"] = max(float((exported[k] - v).abs().max()) for k, v in ref.state_dict().items())
     return out
+
+
+def configured(training, settings: dict):
+    """A copy of the training config with `settings` ("section.field" or "field": value) applied."""
+    cfg = copy.deepcopy(training)
+    for key, value in settings.items():
+        *section, field = key.split(".")
+        setattr(getattr(cfg, section[0]) if section else cfg, field, value)
+    return cfg
 
 
 def main():
@@ -183,21 +189,39 @@ def main():
 
         return MegatronTrainEngine(pol, cfg)
 
+    # BF16 weights with FP32 masters (training.precision bf16_params): the torch engine's is the reference
+    bf16 = {"precision": "bf16_params"}
+    ref_bf16 = copy.deepcopy(policy)
+    results["torch_bf16"] = train(
+        TorchTrainEngine(ref_bf16, configured(recipe.training, bf16)), batches, loss_fn, hook_for=recipe
+    )
     variants = {
-        "deepspeed": [("zero2", {"deepspeed.zero_stage": 2}), ("zero3", {"deepspeed.zero_stage": 3})],
-        "megatron": [("tp2", {"megatron.tensor_parallel": 2}), ("tp1", {"megatron.tensor_parallel": 1})],
+        "deepspeed": [
+            ("zero2", {"deepspeed.zero_stage": 2}),
+            ("zero3", {"deepspeed.zero_stage": 3}),
+            ("zero2_bf16", {"deepspeed.zero_stage": 2, "deepspeed.bf16": True, **bf16}),
+        ],
+        "megatron": [
+            ("tp2", {"megatron.tensor_parallel": 2}),
+            ("tp1", {"megatron.tensor_parallel": 1}),
+            ("tp2_bf16", {"megatron.tensor_parallel": 2, **bf16}),
+        ],
     }
     for name, settings in variants[which]:
-        cfg = copy.deepcopy(recipe.training)
-        for key, value in settings.items():
-            section, field = key.split(".")
-            setattr(getattr(cfg, section), field, value)
+        cfg = configured(recipe.training, settings)
         engine = build(cfg, copy.deepcopy(policy))
         results[name] = train(engine, batches, loss_fn, hook_for=recipe)
         # the exported weights must be the torch engine's after the same steps (HF layout, full)
         exported = dict(engine.export_weights())
-        ref_state = ref.state_dict()
-        results[name + "_weights_maxdiff"] = max(float((exported[k] - v).abs().max()) for k, v in ref_state.items())
+        ref_state = (ref_bf16 if name.endswith("_bf16") else ref).state_dict()
+        results[name + "_bf16_values"] = all(
+            torch.equal(t.to(torch.bfloat16).to(t.dtype), t) for t in exported.values()
+        )
+        accum = getattr(engine.optimizer, "gradient_accumulation_dtype", None)  # DeepSpeed ZeRO's
+        results[name + "_accum"] = str(accum)
+        results[name + "_weights_maxdiff"] = max(
+            float((exported[k].float() - v.float()).abs().max()) for k, v in ref_state.items()
+        )
 
         # stop after STOP steps, resume from the saved state in a fresh policy + engine
         first = build(cfg, copy.deepcopy(policy))

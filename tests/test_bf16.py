@@ -152,7 +152,7 @@ def test_short_bf16_run_through_the_cli(tmp_path, capsys):
     "overrides, needle",
     [
         (["training.engine=deepspeed"], "training.precision: bf16 with training.engine=deepspeed"),
-        (["training.engine=megatron"], "training.precision: training.engine=megatron trains in FP32 only"),
+        (["training.engine=megatron"], "training.precision: training.engine=megatron has no autocast"),
     ],
 )
 def test_engine_combinations_are_refused_naming_the_key(overrides, needle):

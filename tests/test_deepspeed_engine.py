@@ -4,7 +4,7 @@ resume; one torchrun launch (tests/engines_worker.py) for all of them."""
 import importlib.util
 
 import pytest
-from _engine_runs import assert_frozen_and_checkpointed, assert_matches, run_worker
+from _engine_runs import assert_bf16_matches, assert_frozen_and_checkpointed, assert_matches, run_worker
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="deepspeed (optional dependency) is not installed"
@@ -50,3 +50,10 @@ def test_is_ratio_max_is_the_largest_over_ranks(results):
 def test_frozen_parts_and_activation_checkpointing(results):
     # ZeRO-3 with training.freeze and activation checkpointing
     assert_frozen_and_checkpointed(results, "zero3_memory")
+
+
+def test_zero2_bf16_params_matches_the_torch_engine(results):
+    """training.precision bf16_params under DeepSpeed: its BF16 module, FP32 masters in the ZeRO-2
+    partitions, each micro-batch's gradient accumulated in FP32 (data_types.grad_accum_dtype)."""
+    assert_bf16_matches(results, "zero2_bf16")
+    assert results["zero2_bf16_accum"] == "torch.float32"  # bfloat16 without grad_accum_dtype

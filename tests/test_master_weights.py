@@ -101,10 +101,14 @@ def test_masters_survive_a_stage_change_and_a_checkpoint(model, batch):
     assert all(torch.equal(a, b) for a, b in zip(resumed.masters.fp32, want))
 
 
-@pytest.mark.parametrize("engine", ["deepspeed", "megatron", "fsdp2"])
-def test_engines_without_master_weights_refuse_it(engine):
-    with pytest.raises(RecipeError, match="training.precision: bf16_params .* runs on training.engine=torch"):
-        load_recipe("recipes/demo.yaml", ["training.precision=bf16_params", f"training.engine={engine}"])
+def test_engines_without_master_weights_refuse_it():
+    with pytest.raises(RecipeError, match="training.precision: bf16_params .* runs on training.engine=deepspeed or megatron or torch;"):
+        load_recipe("recipes/demo.yaml", ["training.precision=bf16_params", "training.engine=fsdp2"])
+    with pytest.raises(RecipeError, match="training.precision: bf16_params with training.engine=deepspeed"):
+        load_recipe("recipes/demo.yaml", ["training.precision=bf16_params", "training.engine=deepspeed"])
+    for engine in ("megatron", "deepspeed training.deepspeed.bf16=true"):  # their own BF16 modes
+        r = load_recipe("recipes/demo.yaml", ["training.precision=bf16_params", *f"training.engine={engine}".split()])
+        assert r.training.precision == "bf16_params"
 
 
 def test_short_bf16_params_run_through_the_cli(tmp_path):

@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 import torch
-from _engine_runs import assert_frozen_and_checkpointed, assert_matches, run_worker
+from _engine_runs import assert_bf16_matches, assert_frozen_and_checkpointed, assert_matches, run_worker
 
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
 from loomrl.platform.engines.base import check_rank_agreement, compare_digests, trajectory_digest
@@ -109,3 +109,10 @@ def test_single_process_skips_the_rank_check():
 def test_frozen_parts_and_activation_checkpointing(results):
     # TP 2 with training.freeze and activation checkpointing
     assert_frozen_and_checkpointed(results, "tp2_memory")
+
+
+@needs_megatron
+def test_tp2_bf16_params_matches_the_torch_engine(results):
+    """training.precision bf16_params under Megatron (its --bf16): BF16 TP=2 shards, FP32 masters and
+    main grads, clipped over the FP32 main grads."""
+    assert_bf16_matches(results, "tp2_bf16")

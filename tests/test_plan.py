@@ -119,6 +119,18 @@ def test_megatron_tp2_halves_the_language_models_linear_weights(capsys, hf_count
     assert b["activations"] == pytest.approx(2 * L * _layer_bytes(s, mb, tp=2) + (4 + 4) * s * mb * V, rel=1e-9)
 
 
+def test_megatron_bf16_params_counts_bf16_weights_fp32_masters_and_a_bf16_policy_copy(capsys, hf_counts):
+    total, _, _ = hf_counts
+    fp32, _ = _plan(capsys, MEGATRON, *STORED)
+    data, out = _plan(capsys, MEGATRON, *STORED, "training.precision=bf16_params")
+    b, f = data["per_rank_bytes"], fp32["per_rank_bytes"]
+    local = f["weights"] // 4
+    assert b["weights"] == 2 * local and b["gradients"] == 2 * local  # the BF16 shards and their gradients
+    assert b["optimizer"] == 16 * local  # FP32 master, its FP32 main grad, AdamW's 2 moments
+    assert f["policy_copy"] == 4 * total and b["policy_copy"] == 2 * total  # the trainer's copy is BF16 too
+    assert "bfloat16 policy" in out
+
+
 def test_nodes_times_gpus_per_node_is_the_world(capsys, hf_counts):
     """`--nodes 2 --gpus-per-node 8`: 16 ranks, so ZeRO-3 shards the weights and optimizer 16 ways."""
     total, _, _ = hf_counts

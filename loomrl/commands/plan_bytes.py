@@ -266,19 +266,21 @@ def rollout_term(c: Counts, recipe: R.Recipe, *, world: int, seq_len: int) -> Me
 
 
 def kept_copies(c: Counts, recipe: R.Recipe, *, policy_copy: bool) -> dict[str, MemoryTerm]:
-    """The float32 policies kept beside the engine's: the trainer's copy for the rollouts (policy_copy:
-    the engine trains its own, as DeepSpeed and Megatron do), the frozen reference of a KL penalty or of DPO."""
+    """The policies kept beside the engine's (float32; bfloat16 under bf16_params): the trainer's copy for
+    the rollouts (policy_copy: the engine trains its own, as DeepSpeed and Megatron do), the frozen
+    reference of a KL penalty or of DPO."""
     out = {}
+    w, dtype = (2, "bfloat16") if recipe.training.precision == "bf16_params" else (4, "float32")
     if policy_copy:
         out["policy_copy"] = MemoryTerm(
-            c.total * 4,
-            f"{c.total:,} params x 4 B: the trainer's float32 policy the rollouts use "
+            c.total * w,
+            f"{c.total:,} params x {w} B: the trainer's {dtype} policy the rollouts use "
             f"(reloaded from the engine after each step)",
         )
     entry = ALGORITHMS.get(recipe.algorithm.name)
     if entry.trait("preference") or (recipe.algorithm.kl_coef > 0 and not entry.trait("supervised")):
         why = f"algorithm.name={recipe.algorithm.name}" if entry.trait("preference") else "algorithm.kl_coef > 0"
-        out["reference"] = MemoryTerm(c.total * 4, f"{c.total:,} params x 4 B: the frozen reference policy ({why})")
+        out["reference"] = MemoryTerm(c.total * w, f"{c.total:,} params x {w} B: the frozen reference policy ({why})")
     return out
 
 

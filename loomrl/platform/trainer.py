@@ -170,8 +170,10 @@ class Trainer(SupervisedSteps, PreferenceSteps, RLSteps, Validation):
         params = [p for p in model.parameters() if p.requires_grad]
         params += list(self.value_head.parameters()) if self.value_head is not None else []
         self.engine = build_engine(r, model, params)
-        if r.training.precision == "bf16_params" and self.ref_model is not None:  # the policy is BF16 now
-            self.ref_model.to(torch.bfloat16)
+        if r.training.precision == "bf16_params":  # the engine's weights are BF16 now: so are the policy the
+            model.to(torch.bfloat16)  # rollouts and old log-probs use (an engine's own copy's sync target)
+            if self.ref_model is not None:  # and the reference
+                self.ref_model.to(torch.bfloat16)
         if self.sft:
             self.source = NoRollouts()
         else:

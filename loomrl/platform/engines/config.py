@@ -133,12 +133,13 @@ class TrainingConfig:
     samples in FP32: expect a larger `logp_mismatch`, see docs/engines.md). Under autocast the
     `model.rounding` regions round to BF16 where their input is a BF16 matmul output (see
     docs/rounding.md). Engine deepspeed: BF16 is `training.deepspeed.bf16`, and `bf16` here needs
-    it true; engine megatron trains FP32 only; engine fsdp2: the same autocast over its FP32 shards,
-    and with `training.fsdp2.mixed_precision` BF16 gathered weights. `bf16_params` (engine torch):
-    BF16 compute as Megatron and DeepSpeed do it: the policy's weights are BF16 (the rollouts of the
-    built-in engine, the old / reference log-probs and the loss all run on them, `model.rounding`
-    deciding each region's rounding), AdamW steps FP32 master copies, and each micro-batch's
-    gradient is accumulated in FP32 (`engines/torch_engine.py` MasterWeights)."""
+    it true; engine megatron has no autocast (use `bf16_params`); engine fsdp2: the same autocast over
+    its FP32 shards, and with `training.fsdp2.mixed_precision` BF16 gathered weights. `bf16_params`
+    (engines torch, deepspeed with `training.deepspeed.bf16`, megatron): BF16 compute as Megatron and
+    DeepSpeed do it: the policy's weights are BF16 (the rollouts of the built-in engine, the old /
+    reference log-probs and the loss all run on them, `model.rounding` deciding each region's
+    rounding), AdamW steps FP32 master copies, and each micro-batch's gradient is accumulated in FP32
+    (`engines/torch_engine.py` MasterWeights; DeepSpeed's `grad_accum_dtype: fp32`)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm-up stage."""
     nproc: int = ranged(1, ge=1)

@@ -68,6 +68,8 @@ def deepspeed_config(cfg) -> dict:
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": ds.bf16},
+        # bf16_params: each micro-batch's BF16 gradient is added to an FP32 sum (Megatron's main_grad)
+        "data_types": {"grad_accum_dtype": "fp32" if cfg.precision == "bf16_params" else None},
         "zero_allow_untested_optimizer": True,  # torch AdamW under ZeRO
         "zero_force_ds_cpu_optimizer": False,  # offload with torch AdamW, no compiled cpu_adam (~60 s build)
         "steps_per_print": 1 << 30,
@@ -108,6 +110,11 @@ def check_recipe(r) -> None:
             "training.precision: bf16 with training.engine=deepspeed is DeepSpeed's own BF16 "
             "mode; set training.deepspeed.bf16=true as well (it decides that engine's precision)"
         )
+    if t.precision == "bf16_params" and not t.deepspeed.bf16:
+        raise RecipeError(
+            "training.precision: bf16_params with training.engine=deepspeed is DeepSpeed's BF16 mode with "
+            "FP32 gradient accumulation; set training.deepspeed.bf16=true as well"
+        )
 
 
 def bf16_switch(training) -> bool:
@@ -147,6 +154,7 @@ def training_memory(sizes: ModelSizes, prec: Precision, training, *, dp: int, tp
     lora=True,
     check=check_recipe,
     bf16=bf16_switch,
+    master_weights=True,
     memory=training_memory,
 )
 class DeepSpeedTrainEngine:

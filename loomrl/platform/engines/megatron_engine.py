@@ -25,7 +25,9 @@ What trains where:
 
 Residual adds stay in Megatron's bias-dropout-add (working dtype); the RMSNorm region
 here is the norm itself. In FP32 this computes the same numbers as the built-in
-decoder; the engine trains FP32 parameters.
+decoder. `training.precision: bf16_params` is Megatron's `--bf16`: every weight BF16, FP32 masters
+stepped by AdamW, each micro-batch's gradient added to FP32 main grads (torch_engine.MasterWeights),
+which are reduced over the replicas and clipped in FP32.
 
 Rollouts do not run on this module: the trainer keeps an HF-layout copy of the policy
 (what vLLM would serve) and loads `export_weights()` into it after every step.
@@ -58,6 +60,7 @@ from loomrl.platform.engines.base import (
 )
 from loomrl.platform.engines.launch import init_distributed
 from loomrl.platform.engines.megatron_convert import Dims, hf_to_megatron, megatron_to_hf, padded_vocab
+from loomrl.platform.engines.torch_engine import MasterWeights
 from loomrl.platform.faults import maybe_die
 from loomrl.platform.memory import MemoryTerm, ModelSizes, Precision, TrainingMemory, ceil_div
 
@@ -320,8 +323,8 @@ def check_recipe(r) -> None:
     t = r.training
     if t.precision == "bf16":
         raise RecipeError(
-            "training.precision: training.engine=megatron trains in FP32 only; use "
-            "training.precision=fp32, or training.engine=torch / deepspeed for BF16"
+            "training.precision: training.engine=megatron has no autocast; its BF16 is Megatron's own "
+            "(BF16 weights, FP32 main grads and masters): training.precision=bf16_params"
         )
     tp = t.megatron.tensor_parallel
     if r.model.num_kv_heads % tp or r.model.intermediate_size % tp:
@@ -368,6 +371,7 @@ def training_memory(sizes: ModelSizes, prec: Precision, training, *, dp: int, tp
     value_model=False,
     lora=False,
     check=check_recipe,
+    master_weights=True,
     tensor_parallel=tensor_parallel_size,
     padded_vocab=padded_vocab,
     memory=training_memory,
@@ -411,8 +415,12 @@ class MegatronTrainEngine:
         model.apply_frozen()  # the policy's frozen parts (copied with it) on the Megatron language model too
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._split = tp_split_params(lm)
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay)
+        split = tp_split_params(lm)
+        # bf16_params (Megatron's --bf16): BF16 weights in every forward, FP32 masters with FP32 main grads
+        self.masters = MasterWeights(model, self.params) if cfg.precision == "bf16_params" else None
+        self.stepped = self.masters.fp32 if self.masters is not None else self.params
+        self._split = {id(s) for p, s in zip(self.params, self.stepped) if id(p) in split}
+        self.optimizer = torch.optim.AdamW(self.stepped, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay)
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
@@ -426,21 +434,30 @@ class MegatronTrainEngine:
         if hook is not None:
             hook.begin([mb for mb, _ in mine])
         totals: dict[str, float] = {"loss": 0.0}
+        masters = self.masters
+        if masters is not None:
+            masters.zero_grad()
         for mb, counts in mine:
             loss, stats = loss_fn(self.model, mb)
             if not counts:
                 loss, stats = loss * 0.0, {k: 0.0 for k in stats}
-            loss.backward()
+            loss.float().backward()
+            if masters is not None:
+                masters.accumulate()  # each micro-batch's BF16 gradient into the FP32 main grads
             totals["loss"] += float(loss.detach())
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
         if hook is not None:
             hook.finish()
-        allreduce_grads(self.params, self.dp_group)
+            if masters is not None:
+                masters.accumulate()
+        allreduce_grads(self.stepped, self.dp_group)
         norm = self._clip()
 
         maybe_die("optimizer")
         self.optimizer.step()
+        if masters is not None:
+            masters.publish()
         self.model.zero_grad(set_to_none=True)
         totals = allreduce_stats(totals, self.dp_group) if self.tp_rank == 0 else totals
         if self.tp_size > 1:  # every TP rank reports what its replica's rank 0 summed
@@ -453,7 +470,7 @@ class MegatronTrainEngine:
         replicated ones counted once), then clip like torch.nn.utils.clip_grad_norm_."""
         split = torch.zeros((), dtype=torch.float64)
         replicated = torch.zeros((), dtype=torch.float64)
-        grads = [p for p in self.params if p.grad is not None]
+        grads = [p for p in self.stepped if p.grad is not None]
         for p in grads:
             sq = p.grad.double().pow(2).sum()
             if id(p) in self._split:
@@ -490,11 +507,18 @@ class MegatronTrainEngine:
                 yield k, v
 
     def state_dict(self) -> Optional[dict]:
-        """Every rank's AdamW state, gathered on rank 0 (None on the others); collective."""
-        return gather_rank_states({"optimizer": self.optimizer.state_dict()})
+        """Every rank's AdamW state (and bf16_params' FP32 masters), gathered on rank 0 (None on the
+        others); collective."""
+        local: dict = {"optimizer": self.optimizer.state_dict()}
+        if self.masters is not None:
+            local["masters"] = [m.detach().clone() for m in self.masters.fp32]
+        return gather_rank_states(local)
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(rank_state(state, "megatron engine state")["optimizer"])
+        local = rank_state(state, "megatron engine state")
+        self.optimizer.load_state_dict(local["optimizer"])
+        if self.masters is not None:
+            self.masters.load(local.get("masters"))
 
 
 def tp_split_params(lm: MegatronLM) -> set[int]:
