@@ -6,8 +6,16 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
+
+from loomrl.platform.disaggregated import WorkerSource
+from loomrl.platform.recipe import Recipe
+from loomrl.platform.trajectory.dispatch import Job
+from loomrl.platform.trajectory.sources import WorkerDied
+from loomrl.platform.trajectory.transport import Channel
 
 
 def run_cli(tmp_path, demo_shards, extra, env=None):
@@ -146,3 +154,36 @@ def test_what_cannot_work_is_refused_by_dry_run(tmp_path, demo_shards):
         ["--dry-run", "algorithm.name=ppo", "algorithm.epochs=2", "logging.mismatch_every=5", "algorithm.kl_coef=0.01"],
     )
     assert p.returncode == 0 and "recipe OK" in p.stderr, p.stderr[-2000:]
+
+
+class ClosedTo(Channel):
+    """A real Channel whose sends to `gone` fail as gloo's do once that process has exited
+    (RuntimeError "Connection closed by peer"): the race the CLI test above can lose, when the
+    trainer sends weights or work before its receiving thread has seen the connection drop."""
+
+    def __init__(self, gone: int):
+        super().__init__()
+        self.gone = gone
+
+    def _isend(self, t, dst):
+        assert dst == self.gone, f"only rank {self.gone} is sent to here"
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8101")
+
+
+@pytest.mark.parametrize("on_death", ["continue", "stop"])
+def test_a_send_to_a_worker_that_is_gone_is_its_death(on_death):
+    recipe = Recipe()
+    recipe.pipeline.on_worker_death = on_death
+    src = WorkerSource(SimpleNamespace(recipe=recipe), ClosedTo(2), [1, 2], {1: 1, 2: 2})
+    job = Job("g0", None)
+    src.disp.assign(2, [job])  # in flight on the worker that is gone
+    msg = torch.zeros(4, dtype=torch.uint8)
+    if on_death == "stop":
+        with pytest.raises(WorkerDied, match=r"rollout worker rank 2 died \(connection failed: .*closed by peer"):
+            src.send(2, msg)
+    else:
+        assert src.send(2, msg) is False
+    assert src.live == [1] and list(src.disp.requeued) == [job]  # its prompt re-queued, counted
+    src.live = [2]  # close() returns whatever a gone worker does
+    src.close(wait_s=1.0)
+    assert src.live == []

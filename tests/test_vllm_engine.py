@@ -83,6 +83,10 @@ def test_generates_n_groups_with_trainer_logprobs(plain, prompts):
     assert [r.completion_ids for r in again.rollouts] == [r.completion_ids for r in res.rollouts]
     mean, worst, n = logprob_gap(plain, plain.model, prompts, params, torch.Generator().manual_seed(1))
     assert n > 9 and worst < 1e-4, (mean, worst)
+    # top-p: vLLM's log-probs are the nucleus's, and so is the trainer's side of the comparison
+    top_p = SamplingParams(n=3, temperature=0.8, top_p=0.7, max_new_tokens=10)
+    mean, worst, n = logprob_gap(plain, plain.model, prompts, top_p, torch.Generator().manual_seed(1))
+    assert n > 9 and worst < 1e-4, (mean, worst)
 
 
 def _perturb(model, scale=0.05):

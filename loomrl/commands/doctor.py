@@ -157,7 +157,7 @@ def run_doctor(
     params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, max_new_tokens=ro.max_new_tokens)
     rollouts = ENGINES[engine](model, prompts, params, torch.Generator(model.device).manual_seed(recipe.training.seed))
     trajs = trajectories(prompts, rollouts)
-    settings = measure(model, trajs, ro.temperature)
+    settings = measure(model, trajs, ro.temperature, top_p=ro.top_p)
     report = {
         "engine": engine,
         "dtype": str(DTYPE).removeprefix("torch."),

@@ -218,10 +218,20 @@ class WorkerSource:
 
     # ------------------------------------------------------------------ messages
 
+    def send(self, w: int, buf: torch.Tensor) -> bool:
+        """A message to worker w. A connection the worker closed (gloo raises at once: the process
+        is gone) is that worker's death: re-queued or WorkerDied, as pipeline.on_worker_death says."""
+        try:
+            self.ch.send(buf, w)
+            return True
+        except RuntimeError as e:
+            self.worker_died(w, f"connection failed: {str(e).splitlines()[0][:200]}")
+            return False
+
     def send_weights(self, version: int) -> None:
         buf = pack({"kind": "weights", "version": version}, dict(self.trainer.model.state_dict()))
-        for w in self.live:
-            self.ch.send(buf, w)
+        for w in list(self.live):
+            self.send(w, buf)
         self.weights_sent = version
 
     def fresh(self, k: int):
@@ -243,8 +253,8 @@ class WorkerSource:
             refs, t = self.ledger.pack_media(w, j.prompt.media)
             tensors.update(t)
             payload.append({"key": j.key, "id": j.prompt.id, "ids": j.prompt.ids, "media": refs})
-        self.ch.send(pack({"kind": "work", "step": self.step, "jobs": payload}, tensors), w)
-        self.last_heard[w] = time.monotonic()
+        if self.send(w, pack({"kind": "work", "step": self.step, "jobs": payload}, tensors)):
+            self.last_heard[w] = time.monotonic()
 
     def receive(self, w: int, buf: torch.Tensor) -> None:
         """A worker's message into the store (or the state replies); ValueError when malformed."""
@@ -406,8 +416,8 @@ class WorkerSource:
     def state_dict(self) -> dict:
         """Every live worker's rollout-engine state and generator (asked over the transport)."""
         self.states = {}
-        for w in self.live:
-            self.ch.send(pack({"kind": "state"}), w)
+        for w in list(self.live):
+            self.send(w, pack({"kind": "state"}))
         deadline = time.monotonic() + self.recipe.pipeline.worker_timeout_s
         while any(w not in self.states for w in self.live) and time.monotonic() < deadline:
             self.poll(0.05)
@@ -440,9 +450,9 @@ class WorkerSource:
                 f"{sorted(self.names[w] for w in self.live)}; resume with the same "
                 f"pipeline.rollout_workers and training.nproc"
             )
-        for w in self.live:
+        for w in list(self.live):
             st = states[str(self.names[w])]
-            self.ch.send(pack({"kind": "load_state", "rollout": st["rollout"]}, {"generator": st["generator"]}), w)
+            self.send(w, pack({"kind": "load_state", "rollout": st["rollout"]}, {"generator": st["generator"]}))
 
     # ------------------------------------------------------------------ the end
 
@@ -481,13 +491,22 @@ class WorkerSource:
         that died meanwhile (torchrun SIGTERMs every rank when one dies) never takes its stop
         message, so the wait is bounded: the trainer must still write its exit code."""
         for w in self.live + self.rejected:
-            self.ch.send(pack({"kind": "stop"}), w)
+            try:
+                self.ch.send(pack({"kind": "stop"}), w)
+            except RuntimeError:  # gone already (its connection closed): nothing to stop
+                log.info("[trainer] rollout worker rank %d is gone; no stop message sent", self.names.get(w, w))
         self.live, self.rejected = [], []
-        flushing = threading.Thread(target=self.ch.flush, name="stop-workers", daemon=True)
+        flushing = threading.Thread(target=self._flush_quietly, name="stop-workers", daemon=True)
         flushing.start()
         flushing.join(wait_s)
         if flushing.is_alive():
             log.warning("[trainer] a rollout worker did not take its stop message within %.0f s (gone)", wait_s)
+
+    def _flush_quietly(self) -> None:
+        try:
+            self.ch.flush()
+        except RuntimeError as e:  # a worker that closed its connection meanwhile
+            log.info("[trainer] a stop message was not delivered (%s)", str(e).splitlines()[0][:200])
 
 
 # --------------------------------------------------------------------------- entry point (torchrun)

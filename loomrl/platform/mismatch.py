@@ -59,14 +59,17 @@ def policy_encodings(model, trajs: list[Trajectory]) -> dict:
 
 @torch.no_grad()
 def trainer_logprobs(
-    policy, trajs: list[Trajectory], temperature: float, encodings: Optional[dict] = None
+    policy, trajs: list[Trajectory], temperature: float, encodings: Optional[dict] = None, top_p: float = 1.0
 ) -> list[list[float]]:
     """The trainer's log-probs of each trajectory's completion: one full-sequence forward per
     micro-batch, exactly the trainer's `sequence_logprobs` (with `encodings`: those media
-    encodings, by Medium.key, instead of the policy's towers per micro-batch)."""
+    encodings, by Medium.key, instead of the policy's towers per micro-batch). top_p < 1: under
+    the trainer's own top-p nucleus, as a top-p rollout's log-probs are (both engines report them so)."""
     out: list[list[float]] = []
+    top_p = top_p if temperature > 0 else 1.0
     for mb in micro_batches(trajs, policy.pad_token_id, MICRO_BATCH, device=policy.device):
-        logp, _ = policy.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature, encodings)
+        got = policy.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature, encodings, top_p=top_p)
+        logp = got[0] - got[-1] if top_p < 1.0 else got[0]
         out.extend(completion_logprobs(logp, mb))
     return out
 
@@ -93,25 +96,27 @@ def measure(
     temperature: float,
     settings: dict[str, Regions] = SETTINGS,
     dtype: torch.dtype = DTYPE,
+    top_p: float = 1.0,
 ) -> dict[str, dict]:
     """Mismatch between the trajectories' rollout log-probs and the trainer's forward on a
-    `dtype` copy of `model`, per rounding setting."""
+    `dtype` copy of `model`, per rounding setting (top_p: the rollouts', see trainer_logprobs)."""
     rollout = [t.rollout_logprobs for t in trajs]
     encodings = policy_encodings(model, trajs)
     return {
         name: mismatch(
-            rollout, trainer_logprobs(low_precision_copy(model, regions, dtype), trajs, temperature, encodings)
+            rollout,
+            trainer_logprobs(low_precision_copy(model, regions, dtype), trajs, temperature, encodings, top_p),
         )
         for name, regions in settings.items()
     }
 
 
-def mismatch_metrics(model, trajs: list[Trajectory], temperature: float) -> dict[str, float]:
+def mismatch_metrics(model, trajs: list[Trajectory], temperature: float, top_p: float = 1.0) -> dict[str, float]:
     """`measure` flattened for a metrics row: mismatch_<setting>_{mean,max,kl}."""
     short = {"mean_abs_dlogp": "mean", "max_abs_dlogp": "max", "kl": "kl"}
     return {
         f"mismatch_{name}_{short[k]}": v
-        for name, row in measure(model, trajs, temperature).items()
+        for name, row in measure(model, trajs, temperature, top_p=top_p).items()
         for k, v in row.items()
     }
 

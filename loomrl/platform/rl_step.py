@@ -40,20 +40,34 @@ from loomrl.platform.trajectory.layout import layout
 
 @torch.no_grad()
 def fill_logprobs(
-    model, mbs: list[MicroBatch], temperature: float, attr: Optional[str], value_head: Optional[ValueHead] = None
+    model,
+    mbs: list[MicroBatch],
+    temperature: float,
+    attr: Optional[str],
+    value_head: Optional[ValueHead] = None,
+    top_p: float = 1.0,
 ) -> None:
     """Set mb.<attr> to the model's log-probs; with value_head also mb.values from the same
-    forward (attr None: only the values)."""
+    forward (attr None: only the values); with attr old_logp and top_p < 1 also mb.old_nucleus."""
     model.eval()
     encodings = None
     if model.cfg.encoders.dedup:  # every distinct medium of the batch once (cached if the rollout did it)
         encodings = model.encode_media([m for mb in mbs for row in mb.media for m in row])
     for mb in mbs:
+        nucleus_p = top_p if attr == "old_logp" and temperature > 0 else 1.0
         out = model.sequence_logprobs(
-            mb.input_ids, mb.attention_mask, mb.media, temperature, encodings, return_hidden=value_head is not None
+            mb.input_ids,
+            mb.attention_mask,
+            mb.media,
+            temperature,
+            encodings,
+            return_hidden=value_head is not None,
+            top_p=nucleus_p,
         )
         if attr is not None:
             setattr(mb, attr, out[0])
+        if nucleus_p < 1.0:
+            mb.old_nucleus = out[-1]
         if value_head is not None:
             mb.values = value_head(out[2]).float()  # FP32 whatever the forward's precision
 
@@ -73,7 +87,7 @@ class RLSteps:
         # the training forward's precision (training.precision), so ratios and KL compare like with like
         with autocast(self.recipe.training.precision, self.model):
             if a.epochs > 1 or len(queue) > 1:  # the policy moves before some tokens are trained on
-                fill_logprobs(self.model, mbs, ro.temperature, "old_logp", head)
+                fill_logprobs(self.model, mbs, ro.temperature, "old_logp", head, ro.top_p)
             elif head is not None:
                 fill_logprobs(self.model, mbs, ro.temperature, None, head)
             if self.critic is not None:
@@ -127,7 +141,9 @@ class RLSteps:
                 with phases("prepare"):
                     if r.logging.mismatch_every and step % r.logging.mismatch_every == 0 and not held:
                         # before training moves the weights
-                        mismatch = mismatch_metrics(self.model, [t for b in batches for t in b], r.rollout.temperature)
+                        mismatch = mismatch_metrics(
+                            self.model, [t for b in batches for t in b], r.rollout.temperature, r.rollout.top_p
+                        )
                     queue = [
                         (
                             b,

@@ -33,6 +33,7 @@ def policy_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead
     value_head: PPO's head on the policy; its value loss is added. The largest importance ratio
     seen is kept in loss_fn.maxima (the engine sums stats)."""
     a, temperature, im = recipe.algorithm, recipe.rollout.temperature, recipe.algorithm.importance
+    top_p = recipe.rollout.top_p if temperature > 0 else 1.0  # the nucleus the rollouts were sampled from
     entry = ALGORITHMS.get(a.name)
     level = entry.trait("ratio", "token")  # GSPO: "sequence"
     low_default, high_default = entry.trait("clip", (a.clip_eps, a.clip_eps))  # GSPO's own range
@@ -44,10 +45,17 @@ def policy_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead
     def loss_fn(model, mb):
         encodings = shared.encodings if shared is not None else None
         out = model.sequence_logprobs(
-            mb.input_ids, mb.attention_mask, mb.media, temperature, encodings, return_hidden=value_head is not None
+            mb.input_ids,
+            mb.attention_mask,
+            mb.media,
+            temperature,
+            encodings,
+            return_hidden=value_head is not None,
+            top_p=top_p if mb.old_logp is None else 1.0,
         )
         logp, entropy = out[0], out[1]
         old = mb.old_logp if mb.old_logp is not None else logp.detach()
+        old_nucleus = mb.old_nucleus if mb.old_logp is not None else (out[-1] if top_p < 1.0 else None)
         # pi_old under the trainer vs the rollout engine that sampled the tokens
         weights, is_stats = importance_weights(
             old, mb.rollout_logp, mb.loss_mask, im.mode, cap=im.cap, low=im.low, high=im.high
@@ -89,8 +97,10 @@ def policy_loss_fn(recipe: R.Recipe, shared=None, value_head: Optional[ValueHead
         stats["entropy_sum"] = float((entropy.detach() * m).sum())
         # rollout-vs-trainer mismatch of the same tokens under the same weights: pi_old (the policy
         # before this step's updates; the policy itself with one mini-batch), not the policy after
-        # mini-batch 1 has moved it
-        stats["mismatch_sum"] = float(((mb.rollout_logp - old.detach()).abs() * m).sum())
+        # mini-batch 1 has moved it; with top_p < 1 both under their nucleus (the rollout's log-probs
+        # are the nucleus's), so it measures arithmetic, not the truncation
+        trainer = old.detach() if old_nucleus is None else old.detach() - old_nucleus
+        stats["mismatch_sum"] = float(((mb.rollout_logp - trainer).abs() * m).sum())
         stats["tokens"] = float(m.sum())
         return loss, stats
 

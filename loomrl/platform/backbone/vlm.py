@@ -488,12 +488,15 @@ class VLM(nn.Module):
         temperature: float = 1.0,
         encodings: MediaEncodings | None = None,
         return_hidden: bool = False,
+        top_p: float = 1.0,
     ):
         """Per-token log-probs of input_ids[:, 1:] under logits / temperature, and the
         entropy of that distribution; both [B, T-1]. Without `encodings` the media of
         these rows are encoded here (deduplicated unless model.encoders.dedup is off).
         return_hidden: also return the final (normed) hidden states [B, T, H], the input
-        of the LM head, for a value head."""
+        of the LM head, for a value head. top_p < 1: also return, last, the log of the
+        probability mass of each position's top-p nucleus (`nucleus_log_mass`, no gradient):
+        log-prob minus it is the log-prob under the distribution a top-p rollout samples from."""
         if encodings is None:
             encodings, _ = self.encode([m for row in row_media for m in row], self.cfg.encoders.dedup)
         hidden: list[torch.Tensor] = []
@@ -516,15 +519,32 @@ class VLM(nn.Module):
         # trained on; give them 0 instead of -inf so masked sums stay finite.
         logp = logp.masked_fill(torch.isin(targets, self.banned_token_ids), 0.0)
         entropy = -(logp_all.exp() * logp_all.clamp(min=-1e30)).sum(-1)
-        if return_hidden:
-            return logp, entropy, hidden[-1]
-        return logp, entropy
+        out = (logp, entropy, hidden[-1]) if return_hidden else (logp, entropy)
+        if top_p < 1.0:
+            with torch.no_grad():
+                out = (*out, nucleus_log_mass(logp_all.detach(), top_p))
+        return out
 
     def token_logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """log softmax(logits / temperature) in fp32 (fp64 stays fp64) with the banned tokens removed."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
         logits = logits.index_fill(-1, self.banned_token_ids, float("-inf"))
         return F.log_softmax(logits, dim=-1)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p nucleus of each distribution (last dim), as the rollout engines sample from it:
+    the probabilities sorted in descending order, each kept while the mass before it is below
+    top_p (the first always; vLLM's rule too), the others zeroed. Returns (kept sorted probs, order)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+    return sorted_p * keep, order
+
+
+def nucleus_log_mass(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """log of each distribution's top-p nucleus mass: a top-p sample's log-prob is logp - this."""
+    kept, _ = nucleus(logp.exp(), top_p)
+    return kept.sum(-1).log()
 
 
 def language_model_config(

@@ -101,7 +101,11 @@ class RolloutConfig:
     temperature: float = ranged(1.0, gt=0)
     """Sampling temperature; log-probs are reported for logits / temperature."""
     top_p: float = ranged(1.0, gt=0, le=1)
-    """Nucleus sampling mass (1.0 = off)."""
+    """Nucleus sampling mass (1.0 = off). Below 1, both rollout engines report each token's log-prob
+    under the renormalised nucleus it was drawn from (vLLM's processed log-probs); the importance
+    ratio compares the trainer's full-distribution log-prob with it (the off-policy correction that
+    truncation asks for), while `logp_mismatch`, `loomrl doctor` and the vLLM health check
+    renormalise the trainer's log-prob over its own nucleus, so they measure arithmetic only."""
     max_new_tokens: int = ranged(20, ge=1)
     """Completion length cap."""
     drafter: DrafterConfig = field(default_factory=DrafterConfig)

@@ -35,7 +35,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from loomrl.platform.backbone.vlm import VLM
+from loomrl.platform.backbone.vlm import VLM, nucleus, nucleus_log_mass
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.config import DrafterConfig
@@ -51,11 +51,19 @@ def target_probs(logp: torch.Tensor, temperature: float, top_p: float) -> torch.
         return torch.zeros_like(logp).scatter_(-1, logp.argmax(-1, keepdim=True), 1.0)
     probs = logp.exp()
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # the first token is always kept
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+        kept, order = nucleus(probs, top_p)
+        probs = torch.zeros_like(probs).scatter(-1, order, kept)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def sampled_logprobs(logp: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The reported log-probs of the sampled tokens: under the distribution they were drawn from,
+    so with top_p < 1 the nucleus's (renormalised), as vLLM's processed log-probs are."""
+    out = logp.gather(-1, tokens[..., None]).squeeze(-1)
+    if params.temperature > 0 and params.top_p < 1.0:
+        out = out - nucleus_log_mass(logp, params.top_p)
+    return out
 
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic; products wrap around)
@@ -314,7 +322,7 @@ class TorchRolloutEngine:
         if force is not None:
             probs = _point_mass(probs, force, torch.zeros((b, 1), dtype=torch.long, device=dev))
         first = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        first_logp = logp.gather(-1, first[:, None]).squeeze(-1)
+        first_logp = sampled_logprobs(logp, first, params)
         tokens = [[t] for t in to_host(first).tolist()]
         logps = [[x] for x in to_host(first_logp).tolist()]
         # later tokens are position-keyed samples (position_keyed_sample): a row's seed and the position
@@ -372,7 +380,7 @@ class TorchRolloutEngine:
             probs = _point_mass(probs, d.force, counts + depth)
         prepared = future.result() if future is not None else {}
         sample = position_keyed_sample(probs, d.seeds, counts + depth)
-        sample_logp = logp.gather(-1, sample[..., None]).squeeze(-1)
+        sample_logp = sampled_logprobs(logp, sample, params)
         j, path = _accepted_path(sample, draft, parent, depth, tree)
         committed, committed_logp = sample.gather(1, path), sample_logp.gather(1, path)
         if width > 1:  # roll back: the rejected draft columns leave the KV cache and the mask

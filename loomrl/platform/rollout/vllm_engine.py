@@ -515,10 +515,13 @@ def logprob_gap(
     mb = collate(trajs, model.pad_token_id, model.device)
     was_training = model.training
     model.eval()
+    sampled = params.temperature > 0
+    top_p = params.top_p if sampled else 1.0  # vLLM's processed log-probs are the nucleus's
     with torch.no_grad():
-        logp, _ = model.sequence_logprobs(
-            mb.input_ids, mb.attention_mask, mb.media, params.temperature if params.temperature > 0 else 1.0
+        got = model.sequence_logprobs(
+            mb.input_ids, mb.attention_mask, mb.media, params.temperature if sampled else 1.0, top_p=top_p
         )
+    logp = got[0] - got[-1] if top_p < 1.0 else got[0]
     model.train(was_training)
     m = mb.loss_mask.bool()
     diff = (logp[m].double() - mb.rollout_logp[m].double()).abs()

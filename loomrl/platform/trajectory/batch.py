@@ -59,6 +59,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [B] per sequence (GRPO), or [B, T-1] per token (PPO)
     rollout_logp: torch.Tensor  # [B, T-1] aligned with loss_mask
     old_logp: Optional[torch.Tensor] = None
+    old_nucleus: Optional[torch.Tensor] = None  # [B, T-1] log nucleus mass under pi_old (rollout.top_p < 1)
     ref_logp: Optional[torch.Tensor] = None
     normaliser: float = 1.0  # loss divisor: completion tokens of the whole mini-batch
     sequences: int = 1  # sequences of the whole mini-batch (sequence-level loss divisor)
