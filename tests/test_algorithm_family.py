@@ -71,7 +71,7 @@ class Fixed(torch.nn.Module):
         super().__init__()
         self.logp = torch.nn.Parameter(logp.detach().clone())
 
-    def sequence_logprobs(self, ids, attention_mask, media, temperature=1.0, encodings=None, return_hidden=False):
+    def sequence_logprobs(self, ids, attention_mask, media, temperature=1.0, encodings=None, **_):
         return self.logp, torch.zeros_like(self.logp)
 
 

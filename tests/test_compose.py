@@ -1,10 +1,12 @@
 """Every part composes in one trainer loop: short CLI runs of rollout engine x training
-engine x algorithm x pipeline mode, each run for 3 RL steps, resumed to 4, and compared
-with an uninterrupted 4-step run (bit for bit in deterministic mode: every field that is
-not a timing or a per-process byte counter); `loomrl report` works on every run folder."""
+engine x algorithm x pipeline mode, each run for 4 RL steps with a checkpoint at 3, resumed
+from that checkpoint in a copy of its folder and compared with the uninterrupted rows (bit for
+bit in deterministic mode: every field that is not a timing or a per-process byte counter);
+`loomrl report` works on the resumed folder."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,56 +99,36 @@ def cli(out: Path, shards: Path, extra: list[str], *options: str) -> subprocess.
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def side_by_side(*runs: tuple[list[str], dict]) -> list[subprocess.CompletedProcess]:
-    """Runs started together and waited for (each has one thread: the two cores share them), so the
-    suite pays for the longer one, not the sum."""
-    procs = [
-        subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for args, env in runs
-    ]
-    done = []
-    for (args, _), p in zip(runs, procs):
-        try:
-            out, err = p.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        done.append(subprocess.CompletedProcess(args, p.returncode, out, err))
-    return done
-
-
 def rows(out: Path) -> list[dict]:
     """The run's metrics rows, timings and per-process counters left out (metrics.comparable)."""
     return [comparable(json.loads(line)) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def check_composes(tmp_path: Path, shards: Path, extra: list[str]) -> list[dict]:
-    full, part = side_by_side(
-        command(tmp_path / "full", shards, extra), command(tmp_path / "resumed", shards, extra, "--max-steps", "3")
-    )
+    """The uninterrupted run checkpoints at step 3 and goes on to 4; a copy of its folder without the
+    later checkpoint is resumed from step 3 (the resume drops the rows after its checkpoint) and must
+    write the same rows. (`--max-steps` stopping with a checkpoint is test_resume.py's.)"""
+    full = cli(tmp_path / "full", shards, extra, "checkpoint.every=3")
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-6000:]
-    assert part.returncode == 0, part.stdout[-3000:] + part.stderr[-6000:]
-    assert "continue with --resume" in part.stdout
-    assert (tmp_path / "resumed" / "checkpoints" / "step-000003").is_dir()
-    resumed = cli(tmp_path / "resumed", shards, extra, "--resume")
+    assert (tmp_path / "full" / "checkpoints" / "step-000003").is_dir()
+    shutil.copytree(tmp_path / "full", tmp_path / "resumed", ignore=shutil.ignore_patterns("step-000004", "report.png"))
+    resumed = cli(tmp_path / "resumed", shards, extra, "checkpoint.every=3", "--resume")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-6000:]
-    assert "resumed from" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step-000003" in resumed.stdout
     want, got = rows(tmp_path / "full"), rows(tmp_path / "resumed")
     assert [r["step"] for r in want] == [0, 1, 2, 3]
     assert [r["step"] for r in got] == [0, 1, 2, 3]  # the resume wrote step 3, once
     assert len({r["loss"] for r in want}) > 1  # it trains
     for a, b in zip(want, got, strict=True):
         assert a == b, {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
-    for run in ("full", "resumed"):
-        rep = subprocess.run(
-            [sys.executable, "-m", "loomrl.cli", "report", str(tmp_path / run)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert rep.returncode == 0 and (tmp_path / run / "report.png").is_file(), rep.stderr
+    rep = subprocess.run(  # on the resumed folder: rows from two processes
+        [sys.executable, "-m", "loomrl.cli", "report", str(tmp_path / "resumed")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rep.returncode == 0 and (tmp_path / "resumed" / "report.png").is_file(), rep.stderr
     return want
 
 

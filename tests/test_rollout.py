@@ -1,7 +1,8 @@
 import torch
 
 from loomrl.platform.rollout.base import Prompt, SamplingParams
-from loomrl.platform.rollout.torch_engine import TorchRolloutEngine, target_probs
+from loomrl.platform.rollout.sampling import target_probs
+from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 from loomrl.platform.trajectory.batch import collate, rollout_trajectories
 
 

@@ -88,10 +88,12 @@ def test_drafted_logprobs_equal_a_plain_forward(peaky_model, mode):
         for r in res.rollouts
     ]
     mb = collate(trajs, peaky_model.pad_token_id)
-    with torch.no_grad():
-        logp, _ = peaky_model.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media, temperature=0.7)
+    with torch.no_grad():  # top-p: the rollout's log-probs are under the nucleus (test_top_p_logprobs.py)
+        logp, _, log_mass = peaky_model.sequence_logprobs(
+            mb.input_ids, mb.attention_mask, mb.media, temperature=0.7, top_p=0.9
+        )
     m = mb.loss_mask.bool()
-    torch.testing.assert_close(logp[m], mb.rollout_logp[m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close((logp - log_mass)[m], mb.rollout_logp[m], atol=1e-5, rtol=1e-5)
 
 
 def keyed_draws(probs: torch.Tensor, n: int, seed: int) -> torch.Tensor:

@@ -17,7 +17,8 @@ from loomrl.platform.mismatch import trainer_logprobs
 from loomrl.platform.recipe import Recipe
 from loomrl.platform.rl_step import fill_logprobs
 from loomrl.platform.rollout.base import Prompt, SamplingParams
-from loomrl.platform.rollout.torch_engine import TorchRolloutEngine, target_probs
+from loomrl.platform.rollout.sampling import target_probs
+from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 from loomrl.platform.trajectory.batch import collate, rollout_trajectories
 
 T, TOP_P = 0.8, 0.7

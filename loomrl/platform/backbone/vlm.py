@@ -487,6 +487,7 @@ class VLM(nn.Module):
         row_media: list[list[Medium]],
         temperature: float = 1.0,
         encodings: MediaEncodings | None = None,
+        *,
         return_hidden: bool = False,
         top_p: float = 1.0,
     ):

@@ -35,36 +35,15 @@ from typing import Iterable, Optional
 
 import torch
 
-from loomrl.platform.backbone.vlm import VLM, nucleus, nucleus_log_mass
+from loomrl.platform.backbone.vlm import VLM
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.config import DrafterConfig
 from loomrl.platform.rollout.draft_control import Choice, CostCache, DraftController
 from loomrl.platform.rollout.drafter import Draft, NgramDrafter, Tree
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
+from loomrl.platform.rollout.sampling import sampled_logprobs, target_probs
 from loomrl.platform.rollout.torch_memory import rollout_memory, sequence_length
-
-
-def target_probs(logp: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The distribution tokens are drawn from: nucleus of softmax(logits / T), or greedy."""
-    if temperature == 0:
-        return torch.zeros_like(logp).scatter_(-1, logp.argmax(-1, keepdim=True), 1.0)
-    probs = logp.exp()
-    if top_p < 1.0:
-        kept, order = nucleus(probs, top_p)
-        probs = torch.zeros_like(probs).scatter(-1, order, kept)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sampled_logprobs(logp: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The reported log-probs of the sampled tokens: under the distribution they were drawn from,
-    so with top_p < 1 the nucleus's (renormalised), as vLLM's processed log-probs are."""
-    out = logp.gather(-1, tokens[..., None]).squeeze(-1)
-    if params.temperature > 0 and params.top_p < 1.0:
-        out = out - nucleus_log_mass(logp, params.top_p)
-    return out
-
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic; products wrap around)
 _GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
