@@ -11,23 +11,7 @@ from pathlib import Path
 WORKER = Path(__file__).with_name("engines_worker.py")
 
 
-_ONCE: dict = {}
-
-
-def once(key: str, make):
-    """`make()`'s result, made once per test process: under `make test`'s xdist workers a module's
-    fixtures were set up twice (the suite's durations showed each engine run twice per module), so
-    the costly runs behind them are kept here, by key, for the process."""
-    if key not in _ONCE:
-        _ONCE[key] = make()
-    return _ONCE[key]
-
-
 def run_worker(engine: str, shard_dir: Path, out: Path) -> dict:
-    return once(f"engine-run:{engine}", lambda: _run_worker(engine, shard_dir, out))
-
-
-def _run_worker(engine: str, shard_dir: Path, out: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [
         sys.executable,

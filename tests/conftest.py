@@ -1,5 +1,6 @@
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,8 +105,8 @@ SLOW_FILES = {
 }
 # Learning tests timed with both cores of a 2-core machine (training.threads=2): run nothing beside them.
 TWO_CORE_FILES = {"test_demo_learns.py"}
-# Under xdist (`--dist loadgroup`) a file's tests stay on one worker (its module fixtures run once),
-# except these, whose slow cases are independent runs: they are spread over the workers.
+# Under xdist (`make test`: `-n 2 --dist loadgroup`) a file's tests stay on one worker (its module
+# fixtures run once), except these, whose slow cases are independent runs: they are spread over the workers.
 SPREAD_FILES = {"test_compose.py", "test_multi_node.py"}
 
 
@@ -115,5 +116,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.path.name in TWO_CORE_FILES:
             item.add_marker(pytest.mark.two_cores)
-        if item.path.name not in SPREAD_FILES:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`, by file: each file is one work unit for one worker, except SPREAD_FILES,
+    whose tests go one by one. (xdist 3.8's own loadgroup appends the group to `item._nodeid`, which
+    pytest 9 no longer reads: the groups were silently ignored, and the suite's durations showed each
+    engine file's module fixture, a 20-40 s torchrun, made on both workers.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if Path(path).name in SPREAD_FILES else path
+
+    return ByFile(config, log)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _engine_runs import assert_matches, once
+from _engine_runs import assert_matches
 
 from loomrl.cli import main
 from loomrl.config import RecipeError
@@ -29,10 +29,6 @@ LOSS, REL, WEIGHTS = 1e-6, 1e-6, 1e-5
 
 @pytest.fixture(scope="module")
 def results(demo_shards, tmp_path_factory):
-    return once("engine-run:fsdp2", lambda: fsdp2_run(demo_shards, tmp_path_factory))
-
-
-def fsdp2_run(demo_shards, tmp_path_factory) -> dict:
     shard_dir, _ = demo_shards
     out = tmp_path_factory.mktemp("fsdp2") / "out.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from _engine_runs import once
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMING = ("_s", "per_s", "_us", "speedup")
@@ -55,10 +54,6 @@ def rows(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    return once("resume-baseline", lambda: uninterrupted(tmp_path_factory))
-
-
-def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
     p = cli(tmp, "full")
     assert p.returncode == 0, p.stderr
