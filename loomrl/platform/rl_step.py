@@ -53,8 +53,8 @@ def fill_logprobs(
     encodings = None
     if model.cfg.encoders.dedup:  # every distinct medium of the batch once (cached if the rollout did it)
         encodings = model.encode_media([m for mb in mbs for row in mb.media for m in row])
+    nucleus_p = top_p if attr == "old_logp" and temperature > 0 else 1.0
     for mb in mbs:
-        nucleus_p = top_p if attr == "old_logp" and temperature > 0 else 1.0
         out = model.sequence_logprobs(
             mb.input_ids,
             mb.attention_mask,
