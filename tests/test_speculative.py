@@ -19,7 +19,8 @@ from model_probs import prefix_probs, reference_probs
 from loomrl.platform.recipe import DrafterConfig, ModelConfig
 from loomrl.platform.rollout.base import Prompt, SamplingParams
 from loomrl.platform.rollout.drafter import NgramDrafter, Tree, _split, grow_tree
-from loomrl.platform.rollout.torch_engine import TorchRolloutEngine, position_keyed_sample, target_probs
+from loomrl.platform.rollout.sampling import target_probs
+from loomrl.platform.rollout.torch_engine import TorchRolloutEngine, position_keyed_sample
 from loomrl.platform.trajectory.batch import Trajectory, collate
 
 

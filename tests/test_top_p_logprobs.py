@@ -17,7 +17,7 @@ from loomrl.platform.mismatch import trainer_logprobs
 from loomrl.platform.recipe import Recipe
 from loomrl.platform.rl_step import fill_logprobs
 from loomrl.platform.rollout.base import Prompt, SamplingParams
-from loomrl.platform.rollout.sampling import target_probs
+from loomrl.platform.rollout.sampling import target_distribution, target_probs
 from loomrl.platform.rollout.torch_engine import TorchRolloutEngine
 from loomrl.platform.trajectory.batch import collate, rollout_trajectories
 
@@ -30,6 +30,9 @@ def test_nucleus_log_mass_is_the_log_of_the_kept_mass():
     torch.testing.assert_close(nucleus_log_mass(logp, 0.7), torch.log(torch.tensor([0.8, 0.9])))
     kept = target_probs(logp, 1.0, 0.7)  # the sampler's nucleus is the same set
     torch.testing.assert_close(kept[0, :2].log(), logp[0, :2] - math.log(0.8))
+    _, log_mass = target_distribution(logp, 1.0, 0.7)  # the sampler's own log-mass: the same bits
+    assert torch.equal(log_mass, nucleus_log_mass(logp, 0.7))
+    assert target_distribution(logp, 1.0, 1.0)[1] is None and target_distribution(logp, 0.0, 0.7)[1] is None
 
 
 @pytest.fixture()

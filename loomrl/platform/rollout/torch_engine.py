@@ -42,7 +42,7 @@ from loomrl.platform.rollout.config import DrafterConfig
 from loomrl.platform.rollout.draft_control import Choice, CostCache, DraftController
 from loomrl.platform.rollout.drafter import Draft, NgramDrafter, Tree
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
-from loomrl.platform.rollout.sampling import sampled_logprobs, target_probs
+from loomrl.platform.rollout.sampling import sampled_logprobs, target_distribution
 from loomrl.platform.rollout.torch_memory import rollout_memory, sequence_length
 
 # splitmix64's constants as signed int64 (torch has no uint64 arithmetic; products wrap around)
@@ -297,11 +297,11 @@ class TorchRolloutEngine:
         embeds, deepstack = model.embed_inputs(ids, row_media, encodings)
         logits, cache = model.forward_embeds(embeds, mask, positions=positions, deepstack=deepstack)
         logp = model.token_logprobs(logits[:, -1], _report_temperature(params))
-        probs = target_probs(logp, params.temperature, params.top_p)
+        probs, log_mass = target_distribution(logp, params.temperature, params.top_p)
         if force is not None:
             probs = _point_mass(probs, force, torch.zeros((b, 1), dtype=torch.long, device=dev))
         first = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        first_logp = sampled_logprobs(logp, first, params)
+        first_logp = sampled_logprobs(logp, first, log_mass)
         tokens = [[t] for t in to_host(first).tolist()]
         logps = [[x] for x in to_host(first_logp).tolist()]
         # later tokens are position-keyed samples (position_keyed_sample): a row's seed and the position
@@ -354,12 +354,12 @@ class TorchRolloutEngine:
             tree=(depth, tree_mask(parent, depth)) if tree else None,
         )
         logp = model.token_logprobs(logits, _report_temperature(params))  # [B, W, V]
-        probs = target_probs(logp, params.temperature, params.top_p)
+        probs, log_mass = target_distribution(logp, params.temperature, params.top_p)
         if d.force is not None:
             probs = _point_mass(probs, d.force, counts + depth)
         prepared = future.result() if future is not None else {}
         sample = position_keyed_sample(probs, d.seeds, counts + depth)
-        sample_logp = sampled_logprobs(logp, sample, params)
+        sample_logp = sampled_logprobs(logp, sample, log_mass)
         j, path = _accepted_path(sample, draft, parent, depth, tree)
         committed, committed_logp = sample.gather(1, path), sample_logp.gather(1, path)
         if width > 1:  # roll back: the rejected draft columns leave the KV cache and the mask
