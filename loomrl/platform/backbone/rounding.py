@@ -17,6 +17,8 @@ places. Each function below is one *region* of a Qwen2 layer and takes a
   RoPE is the C++ op `torch.ops._C.rotary_embedding` (BF16 cos/sin, FP32 math, one rounding)
   for plain RoPE but `forward_native` (= ``"native"``) for M-RoPE, and its attention is the
   AMX kernel of `cpu_attention_with_kv_cache` (the softmax probabilities rounded to BF16).
+  Where vLLM is installed, `vllm_kernels` calls its attention kernel itself and follows the
+  build this CPU loads (`vllm_kernels.py` says why and when).
 
 The working dtype is the dtype of the region's activation input (`x`, `gate`).
 In FP32 the modes compute the same operations in the same order and are
@@ -38,6 +40,8 @@ from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
+
+from loomrl.platform.backbone import vllm_kernels
 
 Mode = Literal["native", "aligned", "vllm"]
 MODES = ("native", "aligned", "vllm")
@@ -134,7 +138,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode
     vllm (what vLLM-CPU runs; `mrope` says whether the model uses M-RoPE, `mrope_section`):
       plain RoPE (`torch.ops._C.rotary_embedding`, csrc/cpu/pos_encoding.cpp, with vLLM's
       cos/sin cache in the model dtype): cos and sin -> rounded to the working dtype; both
-      products and the sum in FP32, rounded once. M-RoPE (`MRotaryEmbedding.forward_native`,
+      products and the sum in FP32, rounded once (truncated where this host's vLLM build
+      truncates: `vllm_kernels.rounds_to_nearest`). M-RoPE (`MRotaryEmbedding.forward_native`,
       vllm/model_executor/layers/rotary_embedding/mrope.py): the same as native.
     """
     _check(mode, "rope")
@@ -145,7 +150,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode
     if mode == "vllm":  # the cache holds rounded values; products of two BF16 values are exact in FP32
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     cos, sin = cos.to(torch.float32), sin.to(torch.float32)
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    out = xf * cos + rotate_half(xf) * sin
+    if mode == "vllm" and x.dtype == torch.bfloat16 and not vllm_kernels.rounds_to_nearest():
+        return toward_zero(out)
+    return out.to(x.dtype)
+
+
+def toward_zero(x: torch.Tensor) -> torch.Tensor:
+    """FP32 -> BF16 by dropping the low 16 bits, as vLLM's `_C_AVX512` / `_C_AVX2` builds convert
+    (a straight-through rounding: the gradient is the identity's)."""
+    cut = (x.detach().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    return _Substitute.apply(x.to(torch.bfloat16), cut)
+
+
+class _Substitute(torch.autograd.Function):
+    """`value` forward, the gradient of `computed` backward: a kernel's exact output in place of
+    the torch arithmetic it differs from by an ulp (no rounding on the way, unlike
+    `computed + (value - computed).detach()` in BF16)."""
+
+    @staticmethod
+    def forward(ctx, computed, value):
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, mode: Mode) -> torch.Tensor:
@@ -168,7 +197,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
       (sum of w |v|; an output that nearly cancels to zero can be several of its own ulps off),
       because AMX's dot products are not a plain sequential FP32 sum (`tests/test_rounding_vllm.py`,
       contexts of 5-400 keys with a rising row maximum, against tests/attention_reference.py).
-      It materialises the [B, H, T, S] scores in FP32.
+      It materialises the [B, H, T, S] scores in FP32. Where vLLM is installed (x86, BF16, the
+      decoder's causal mask) the values are those of the kernel vLLM runs on this CPU, called
+      on the same q, k, v (`vllm_kernels.attention`), and this arithmetic gives the gradient.
 
     In FP32 (and wider) every mode is torch's SDPA, so the modes are bit-identical there; the
     vllm formula computes the same numbers to ~1e-7 (`tests/test_rounding.py`).
@@ -180,7 +211,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if mode == "aligned":
         f32 = torch.float32
         return F.scaled_dot_product_attention(q.to(f32), k.to(f32), v.to(f32), attn_mask=mask).to(dtype)
-    return vllm_attention(q, k, v, mask)
+    emulated = vllm_attention(q, k, v, mask)
+    kernel = vllm_kernels.attention(q, k, v, mask, emulated)
+    return emulated if kernel is None else _Substitute.apply(emulated, kernel)
 
 
 def vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
