@@ -435,15 +435,15 @@ def test_auto_rounding_follows_the_rollout_engine():
 def test_vllm_regions_are_the_kernels_vllm_runs_on_this_cpu():
     """The `vllm` RoPE and attention regions equal vLLM's own kernels bit for bit on this host (AMX:
     the `amx` attention kernel): attention calls the kernel itself on a padded batch (left- and
-    right-padded rows, 150 tokens across two KV blocks), its gradient is the torch emulation's, and
-    the padded rows keep the emulation's values. The emulation alone is off on a few elements here
-    (what the kernel call closes)."""
+    right-padded rows, 150 tokens across two KV blocks), its gradient is the torch emulation's
+    (recomputed in the backward), and the padded rows, which no real token reads, are zeros. The
+    emulation alone is off on a few elements here (what the kernel call closes)."""
     _vllm_rotary_op()  # skips where vLLM's kernel library does not load
     rope, att = vllm_region_check.rope_counts(), vllm_region_check.attention_counts()
     assert rope["rope_off"] == 0 and rope["nearest"] == _kernel_rounds_to_nearest(), rope
     assert att["isa"] == att["trainer_isa"] and att["rows_found"], att
     assert att["region_off"] == 0 and att["emulation_off"] > 0, att
-    assert att["padded_rows_kept"] and att["grad_is_emulation_grad"], att
+    assert att["padded_rows_zero"] and att["grad_is_emulation_grad"], att
 
 
 def test_vllm_attention_region_on_a_cpu_with_avx512_bf16_and_no_amx(monkeypatch):
@@ -463,7 +463,7 @@ def test_vllm_attention_region_on_a_cpu_with_avx512_bf16_and_no_amx(monkeypatch)
         vllm_kernels.attention_isa.cache_clear()
     assert att["isa"] == att["trainer_isa"] == "vec" and att["rows_found"], att
     assert att["region_off"] == 0 and att["emulation_off"] > 0.1 * att["elements"], att
-    assert att["padded_rows_kept"] and att["grad_is_emulation_grad"], att
+    assert att["padded_rows_zero"] and att["grad_is_emulation_grad"], att
 
 
 @pytest.mark.parametrize("cpu_class,build", [("avx512", "_C_AVX512.abi3.so"), ("avx2", "_C_AVX2.abi3.so")])
@@ -486,4 +486,4 @@ def test_vllm_regions_on_cpus_without_avx512_bf16(cpu_class, build):
     assert got["rope_off"] == 0, got
     assert got["isa"] == got["trainer_isa"] == "vec" and got["rows_found"], got
     assert got["region_off"] == 0 and got["emulation_off"] > 0, got
-    assert got["padded_rows_kept"] and got["grad_is_emulation_grad"], got
+    assert got["padded_rows_zero"] and got["grad_is_emulation_grad"], got

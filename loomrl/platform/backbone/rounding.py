@@ -159,22 +159,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode
 def toward_zero(x: torch.Tensor) -> torch.Tensor:
     """FP32 -> BF16 by dropping the low 16 bits, as vLLM's `_C_AVX512` / `_C_AVX2` builds convert
     (a straight-through rounding: the gradient is the identity's)."""
-    cut = (x.detach().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
-    return _Substitute.apply(x.to(torch.bfloat16), cut)
-
-
-class _Substitute(torch.autograd.Function):
-    """`value` forward, the gradient of `computed` backward: a kernel's exact output in place of
-    the torch arithmetic it differs from by an ulp (no rounding on the way, unlike
-    `computed + (value - computed).detach()` in BF16)."""
-
-    @staticmethod
-    def forward(ctx, computed, value):
-        return value
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    cut = (x.detach().view(torch.int32) & ~0xFFFF).view(torch.float32)  # exact: x + (cut - x) == cut (Sterbenz)
+    return (x + (cut - x).detach()).to(torch.bfloat16)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, mode: Mode) -> torch.Tensor:
@@ -199,7 +185,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
       contexts of 5-400 keys with a rising row maximum, against tests/attention_reference.py).
       It materialises the [B, H, T, S] scores in FP32. Where vLLM is installed (x86, BF16, the
       decoder's causal mask) the values are those of the kernel vLLM runs on this CPU, called
-      on the same q, k, v (`vllm_kernels.attention`), and this arithmetic gives the gradient.
+      on the same q, k, v (`vllm_kernels.attention`; zeros at padded rows), and this arithmetic,
+      recomputed in the backward, gives the gradient.
 
     In FP32 (and wider) every mode is torch's SDPA, so the modes are bit-identical there; the
     vllm formula computes the same numbers to ~1e-7 (`tests/test_rounding.py`).
@@ -211,9 +198,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if mode == "aligned":
         f32 = torch.float32
         return F.scaled_dot_product_attention(q.to(f32), k.to(f32), v.to(f32), attn_mask=mask).to(dtype)
-    emulated = vllm_attention(q, k, v, mask)
-    kernel = vllm_kernels.attention(q, k, v, mask, emulated)
-    return emulated if kernel is None else _Substitute.apply(emulated, kernel)
+    kernel = vllm_kernels.attention(q, k, v, mask)
+    if kernel is None:
+        return vllm_attention(q, k, v, mask)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return _KernelValues.apply(kernel, q, k, v, mask)
+    return kernel
+
+
+class _KernelValues(torch.autograd.Function):
+    """vLLM's attention kernel's output forward; backward, the gradient of `vllm_attention` (its torch
+    arithmetic, within 1 ulp of the kernel), recomputed from the saved q, k, v as activation
+    checkpointing would: the [B, H, T, S] FP32 scores are not kept between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, value, q, k, v, mask):
+        ctx.save_for_backward(q, k, v, mask)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, mask = ctx.saved_tensors
+        inputs = [x.detach().requires_grad_(need) for x, need in zip((q, k, v), ctx.needs_input_grad[1:4])]
+        with torch.enable_grad():
+            out = vllm_attention(*inputs, mask)
+        wanted = [x for x in inputs if x.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (None, *(next(grads) if x.requires_grad else None for x in inputs), None)
 
 
 def vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,9 @@ So where vLLM is installed on an x86 host, this module asks vLLM what it runs he
 - `attention` runs `torch.ops._C.cpu_attention_with_kv_cache` itself on the trainer's q, k, v,
   the way the CPU_ATTN backend does (the ISA vLLM picks, 128-token blocks, causal, split-KV off,
   which `vllm_engine` turns off), one request per sequence. The values are the kernel's; the
-  gradient is the torch emulation's (`value = emulated + (kernel - emulated).detach()`), which
-  is within 1 ulp of it. Measured on all three builds and both ISAs (tests/test_rounding_vllm.py):
+  gradient is the torch emulation's, which is within 1 ulp of it, recomputed in the backward
+  (`rounding._KernelValues`), so a forward without a gradient (old and reference log-probs)
+  runs the kernel alone. Measured on all three builds and both ISAs (tests/test_rounding_vllm.py):
   a row's output does not depend on how many queries share the call (a whole prefill, one decode
   step, a draft verification) nor on GQA heads being expanded, so one call over the whole
   sequence gives the rows vLLM computed token by token during the rollout.
@@ -103,12 +104,10 @@ def causal_rows(mask: torch.Tensor) -> Optional[torch.Tensor]:
     return real if torch.equal(m, want) else None
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, emulated: torch.Tensor
-) -> Optional[torch.Tensor]:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Optional[torch.Tensor]:
     """vLLM's CPU attention kernel on the decoder's q [B, H, T, D], k, v [B, H, T, D] (key/value heads
-    repeated) and mask, BF16: [B, H, T, D], the kernel's values at the real tokens and `emulated`'s at
-    the padded ones (nothing reads those). None where it does not apply (see the module docstring)."""
+    repeated) and mask, BF16: [B, H, T, D], the kernel's values at the real tokens and zeros at the
+    padded ones (no real token reads those). None where it does not apply (see the module docstring)."""
     if q.dtype != torch.bfloat16 or q.device.type != "cpu" or k.shape[2] != q.shape[2]:
         return None
     isa = attention_isa(q.shape[-1])
@@ -146,6 +145,6 @@ def attention(
         query, key_cache, value_cache, out, starts, lens, d**-0.5, True, None, -1, table, 0.0, metadata,
         None, None, 1.0, 1.0, "auto",
     )  # fmt: skip
-    full = emulated.detach().transpose(1, 2).reshape(b * t, h, d).clone()
+    full = torch.zeros(b * t, h, d, dtype=q.dtype)
     full.index_copy_(0, rows, out)
     return full.view(b, t, h, d).transpose(1, 2)
