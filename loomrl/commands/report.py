@@ -4,7 +4,8 @@ panel shows the validation reward alone.
 
 `loomrl report DIR1 DIR2 ... --out FILE.png`: the runs overlaid, one line per run (its folder's
 name) in each panel of `COMPARE` (10-step means): reward, entropy, the rollout/trainer log-prob
-mismatch and the largest importance ratio, e.g. the same recipe under different rounding settings."""
+mismatch and KL, the largest importance ratio and the share of tokens outside the importance
+window, e.g. the same recipe under different rounding settings."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def write_report(run_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = _rows(run_dir)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     panels = [
         (axes[0, 0], "reward_mean", "reward (mean per step)"),
         (axes[0, 1], "loss", "loss"),
@@ -112,10 +113,15 @@ def write_report(run_dir: Path) -> Path:
 COMPARE = (
     ("reward_mean", "reward (mean per step)"),
     ("entropy", "entropy"),
-    ("logp_mismatch", "mean |rollout - trainer logp|"),
+    ("logp_mismatch", "mean |rollout - trainer logp| (symlog)"),
+    ("rollout_kl", "KL(rollout || trainer), k3 (symlog)"),
     ("is_ratio_max", "largest importance ratio"),
+    ("is_outside_frac", "share of tokens outside the IS window"),
 )
 """The panels of `write_comparison`: (metrics key, title)."""
+
+SYMLOG = {"logp_mismatch": 1e-9, "rollout_kl": 1e-12}
+"""Panels whose values span decades down to exactly 0: a symlog y axis, linear below this."""
 
 
 def write_comparison(run_dirs: list[Path], out: Path) -> Path:
@@ -126,7 +132,7 @@ def write_comparison(run_dirs: list[Path], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     runs = [(d.name, _rows(d)) for d in run_dirs]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     for ax, (key, title) in zip(axes.flat, COMPARE):
         for name, rows in runs:
             xs, vals = _series(rows, key)
@@ -135,6 +141,8 @@ def write_comparison(run_dirs: list[Path], out: Path) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+        if key in SYMLOG:
+            ax.set_yscale("symlog", linthresh=SYMLOG[key])
         if ax.lines:
             ax.legend(fontsize=8)
         else:
