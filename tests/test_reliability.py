@@ -492,6 +492,36 @@ def test_report_plots_what_it_can_of_odd_values(tmp_path, capsys):
     assert (tmp_path / "report.png").is_file()
 
 
+def test_report_overlays_runs_with_a_panel_per_compared_metric(tmp_path):
+    """Two runs overlaid: a line per run in every `COMPARE` panel, mismatch and KL on a symlog axis
+    (their values reach exactly 0 and negative k3 estimates), a run without a metric leaves a gap."""
+    from PIL import Image
+
+    from loomrl.commands import report
+
+    for name, scale in (("native", 1e-4), ("vllm", 0.0)):
+        rows = [
+            {"step": i, "reward_mean": 0.3, "entropy": 0.1, "logp_mismatch": scale, "rollout_kl": -1e-12,
+             "is_ratio_max": 1.0, **({"is_outside_frac": 0.0} if name == "native" else {})}
+            for i in range(30)
+        ]  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = [tmp_path / "native", tmp_path / "vllm"]
+    out = tmp_path / "cmp.png"
+    assert main(["report", *map(str, runs), "--out", str(out)]) == 0
+    with Image.open(out) as im:
+        assert im.size[0] > im.size[1]
+    fig = report.comparison_figure(runs)
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert len(panels) == len(report.COMPARE)
+    for key, title in report.COMPARE:
+        ax = panels[title]
+        want = 1 if key == "is_outside_frac" else 2
+        assert len(ax.lines) == want, (key, len(ax.lines))
+        assert ax.get_yscale() == ("symlog" if key in report.SYMLOG else "linear"), key
+
+
 # --------------------------------------------------------------------------- item 15
 
 

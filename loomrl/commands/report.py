@@ -126,6 +126,19 @@ SYMLOG = {"logp_mismatch": 1e-9, "rollout_kl": 1e-12}
 
 def write_comparison(run_dirs: list[Path], out: Path) -> Path:
     """The runs' `COMPARE` curves overlaid into `out` (a PNG), written atomically."""
+    import matplotlib.pyplot as plt
+
+    fig = comparison_figure(run_dirs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    fig.savefig(tmp, dpi=90, format="png")
+    plt.close(fig)
+    tmp.replace(out)
+    return out
+
+
+def comparison_figure(run_dirs: list[Path]):
+    """The matplotlib figure of `write_comparison`: a panel per `COMPARE` metric, a line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,9 +162,4 @@ def write_comparison(run_dirs: list[Path], out: Path) -> Path:
             ax.text(0.5, 0.5, f"{key}: not logged by these runs", ha="center", transform=ax.transAxes)
     fig.suptitle(f"{len(runs)} runs, 10-step means")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    fig.savefig(tmp, dpi=90, format="png")
-    plt.close(fig)
-    tmp.replace(out)
-    return out
+    return fig
