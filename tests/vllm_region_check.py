@@ -36,35 +36,44 @@ def padded_case(heads=4, kv_heads=2, head_dim=32, t=150, seed=0):
     return q, k, v, mask, real
 
 
-def kernel_rows(q, k, v, real, isa):
-    """vLLM's kernel on each sequence's real tokens alone (one request each, as vLLM ran them), via
-    vLLM's own Python wrappers; [N, H, D] in the order of `real.nonzero()`."""
-    from vllm import _custom_ops as ops
-
+def kernel_rows(q, k, v, real, isa, decode=False):
+    """vLLM's kernel on each sequence's real tokens alone (one call each), via vLLM's own Python
+    wrappers; [N, H, D] in the order of `real.nonzero()`. decode: each token as its own one-query
+    call over the keys up to it (a decode step), instead of one prefill call per sequence."""
     b, h, t, d = q.shape
-    block = 128
     outs = []
     for i in range(b):
         idx = real[i].nonzero().squeeze(-1)
-        n = len(idx)
         query, key, value = (x[i][:, idx].transpose(0, 1).contiguous() for x in (q, k, v))
-        blocks = -(-n // block)
-        cache = torch.zeros(blocks, h, 2 * block, d, dtype=BF16)
-        key_cache, value_cache = cache.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n), isa)
-        starts = torch.tensor([0, n], dtype=torch.int32)
-        lens = torch.tensor([n], dtype=torch.int32)
-        meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=h, num_kv_heads=h, head_dim=d, seq_lens=lens, dtype=BF16,
-            query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
-        )  # fmt: skip
-        out = torch.empty_like(query)
-        table = torch.arange(blocks, dtype=torch.int32)[None]
-        ops.cpu_attention_with_kv_cache(
-            query, key_cache, value_cache, out, starts, lens, d**-0.5, True, None, -1, table, 0.0, meta, None
-        )
-        outs.append(out)
+        if not decode:
+            outs.append(_one_call(query, key, value, isa))
+            continue
+        outs += [_one_call(query[j : j + 1], key[: j + 1], value[: j + 1], isa) for j in range(len(idx))]
     return torch.cat(outs)
+
+
+def _one_call(query, key, value, isa):
+    """One request: `query` [Q, H, D] at the last Q positions of `key`/`value` [N, H, D]."""
+    from vllm import _custom_ops as ops
+
+    n, h, d = key.shape
+    block = 128
+    blocks = -(-n // block)
+    cache = torch.zeros(blocks, h, 2 * block, d, dtype=BF16)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n), isa)
+    starts = torch.tensor([0, len(query)], dtype=torch.int32)
+    lens = torch.tensor([n], dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=h, num_kv_heads=h, head_dim=d, seq_lens=lens, dtype=BF16,
+        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+    )  # fmt: skip
+    out = torch.empty_like(query)
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    ops.cpu_attention_with_kv_cache(
+        query, key_cache, value_cache, out, starts, lens, d**-0.5, True, None, -1, table, 0.0, meta, None
+    )
+    return out
 
 
 def attention_counts() -> dict:
@@ -79,6 +88,7 @@ def attention_counts() -> dict:
     trainer_isa = vllm_kernels.attention_isa(q.shape[-1])  # first: it readies AMX tiles, as vLLM's worker does
     isa = _get_attn_isa(BF16, 128, q.shape[-1])
     want = kernel_rows(q, k, v, real, isa)
+    decoded = kernel_rows(q, k, v, real, isa, decode=True)
 
     def rows(x):
         return x.transpose(1, 2)[real]
@@ -94,6 +104,7 @@ def attention_counts() -> dict:
         "trainer_isa": trainer_isa,
         "rows_found": bool(torch.equal(vllm_kernels.causal_rows(mask), real)),
         "elements": want.numel(),
+        "decode_off": int((decoded != want).sum()),  # prefill rows == the same rows decoded one by one
         "region_off": int((rows(got) != want).sum()),
         "emulation_off": int((rows(emulated) != want).sum()),
         "padded_rows_zero": not bool(got.transpose(1, 2)[~real].any()),

@@ -9,6 +9,7 @@ import importlib
 import sys
 
 BENCHES = {
+    "attention": "loomrl.commands.bench_attention",
     "demo": "loomrl.commands.bench_demo",
     "drafter": "loomrl.commands.bench_drafter",
     "encoders": "loomrl.commands.bench_encoders",

@@ -185,8 +185,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
       contexts of 5-400 keys with a rising row maximum, against tests/attention_reference.py).
       It materialises the [B, H, T, S] scores in FP32. Where vLLM is installed (x86, BF16, the
       decoder's causal mask) the values are those of the kernel vLLM runs on this CPU, called
-      on the same q, k, v (`vllm_kernels.attention`; zeros at padded rows), and this arithmetic,
-      recomputed in the backward, gives the gradient.
+      on the same q, k, v (`vllm_kernels.attention`; zeros at padded rows), and this arithmetic gives the gradient
+      (run beside the kernel only in a forward that builds a graph).
 
     In FP32 (and wider) every mode is torch's SDPA, so the modes are bit-identical there; the
     vllm formula computes the same numbers to ~1e-7 (`tests/test_rounding.py`).
@@ -202,29 +202,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if kernel is None:
         return vllm_attention(q, k, v, mask)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        return _KernelValues.apply(kernel, q, k, v, mask)
+        return _KernelValues.apply(vllm_attention(q, k, v, mask), kernel)
     return kernel
 
 
 class _KernelValues(torch.autograd.Function):
     """vLLM's attention kernel's output forward; backward, the gradient of `vllm_attention` (its torch
-    arithmetic, within 1 ulp of the kernel), recomputed from the saved q, k, v as activation
-    checkpointing would: the [B, H, T, S] FP32 scores are not kept between forward and backward."""
+    arithmetic, within 1 ulp of the kernel)."""
 
     @staticmethod
-    def forward(ctx, value, q, k, v, mask):
-        ctx.save_for_backward(q, k, v, mask)
+    def forward(ctx, computed, value):
         return value
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, mask = ctx.saved_tensors
-        inputs = [x.detach().requires_grad_(need) for x, need in zip((q, k, v), ctx.needs_input_grad[1:4])]
-        with torch.enable_grad():
-            out = vllm_attention(*inputs, mask)
-        wanted = [x for x in inputs if x.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad))
-        return (None, *(next(grads) if x.requires_grad else None for x in inputs), None)
+        return grad, None
 
 
 def vllm_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

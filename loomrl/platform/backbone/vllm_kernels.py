@@ -14,9 +14,10 @@ So where vLLM is installed on an x86 host, this module asks vLLM what it runs he
 - `attention` runs `torch.ops._C.cpu_attention_with_kv_cache` itself on the trainer's q, k, v,
   the way the CPU_ATTN backend does (the ISA vLLM picks, 128-token blocks, causal, split-KV off,
   which `vllm_engine` turns off), one request per sequence. The values are the kernel's; the
-  gradient is the torch emulation's, which is within 1 ulp of it, recomputed in the backward
-  (`rounding._KernelValues`), so a forward without a gradient (old and reference log-probs)
-  runs the kernel alone. Measured on all three builds and both ISAs (tests/test_rounding_vllm.py):
+  gradient is the torch emulation's, which is within 1 ulp of it (`rounding._KernelValues`),
+  and a forward without a gradient (old and reference log-probs) runs the kernel alone.
+  (Recomputing the emulation in the backward instead, to save its FP32 scores, measured slower.)
+  Measured on all three builds and both ISAs (tests/test_rounding_vllm.py):
   a row's output does not depend on how many queries share the call (a whole prefill, one decode
   step, a draft verification) nor on GQA heads being expanded, so one call over the whole
   sequence gives the rows vLLM computed token by token during the rollout.
@@ -34,6 +35,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -104,6 +107,64 @@ def causal_rows(mask: torch.Tensor) -> Optional[torch.Tensor]:
     return real if torch.equal(m, want) else None
 
 
+@dataclass
+class _Layout:
+    """A batch's requests as vLLM's CPU attention takes them: the real tokens of each sequence, one
+    request per sequence, each in its own run of 128-token KV blocks."""
+
+    rows: torch.Tensor  # the real tokens' flat indices into [B * T]
+    lens: torch.Tensor  # int32 [B], tokens per request
+    starts: torch.Tensor  # int32 [B + 1], query_start_loc
+    table: torch.Tensor  # int32 [B, max blocks], block table
+    slots: torch.Tensor  # int64 [N], each token's KV slot
+    n_blocks: int
+
+
+_last_layout: tuple[Optional[weakref.ref], int, Optional[_Layout]] = (None, -1, None)
+
+
+def _layout(mask: torch.Tensor, b: int) -> Optional[_Layout]:
+    """`mask`'s requests, or None when it is not the decoder's causal mask over real tokens. The
+    layers of one forward share one mask tensor: the last one's layout is kept."""
+    global _last_layout
+    ref, version, layout = _last_layout
+    if ref is not None and ref() is mask and version == mask._version:
+        return layout
+    real = causal_rows(mask.expand(b, -1, -1, -1) if mask.shape[0] == 1 else mask)
+    layout = None
+    if real is not None:
+        lens = real.sum(-1).to(torch.int32)
+        blocks = (lens + BLOCK - 1) // BLOCK
+        first = torch.cumsum(blocks, 0) - blocks  # each request's first block
+        n_blocks = max(1, int(blocks.sum()))
+        table = (first[:, None] + torch.arange(max(1, int(blocks.max())))[None]).clamp(max=n_blocks - 1)
+        starts = torch.zeros(b + 1, dtype=torch.int32)
+        starts[1:] = torch.cumsum(lens, 0)
+        seq = torch.repeat_interleave(torch.arange(b), lens.long())
+        within = torch.arange(int(starts[-1])) - starts[:-1].long()[seq]
+        slots = first.long()[seq] * BLOCK + within  # a request's blocks are consecutive
+        rows = real.flatten().nonzero().squeeze(-1)
+        layout = _Layout(rows, lens, starts, table.to(torch.int32), slots, n_blocks)
+    _last_layout = (weakref.ref(mask), mask._version, layout)
+    return layout
+
+
+_cache: Optional[torch.Tensor] = None
+
+
+def _kv_cache(n_blocks: int, heads: int, head_dim: int) -> torch.Tensor:
+    """A paged BF16 KV cache of at least `n_blocks` blocks, kept between calls (zeroing a fresh one
+    per layer cost more than the kernel). Slots a call does not write hold an earlier call's
+    finite values, which the kernel masks out (it reads each request's first `lens` keys)."""
+    global _cache
+    shape = (heads, 2 * BLOCK, head_dim)
+    if _cache is None or _cache.shape[1:] != shape or _cache.shape[0] < n_blocks:
+        _cache = torch.zeros(
+            max(n_blocks, 2 * (_cache.shape[0] if _cache is not None else 0)), *shape, dtype=torch.bfloat16
+        )
+    return _cache[:n_blocks]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Optional[torch.Tensor]:
     """vLLM's CPU attention kernel on the decoder's q [B, H, T, D], k, v [B, H, T, D] (key/value heads
     repeated) and mask, BF16: [B, H, T, D], the kernel's values at the real tokens and zeros at the
@@ -113,38 +174,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     isa = attention_isa(q.shape[-1])
     if isa is None:
         return None
-    real = causal_rows(mask.expand(q.shape[0], -1, -1, -1) if mask.shape[0] == 1 else mask)
-    if real is None:
-        return None
     b, h, t, d = q.shape
-    lens = real.sum(-1).to(torch.int32)
-    rows = real.flatten().nonzero().squeeze(-1)
+    layout = _layout(mask, b)
+    if layout is None:
+        return None
 
     def tokens(x):  # [B, H, T, D] -> the real tokens, [N, H, D]
-        return x.detach().transpose(1, 2).reshape(b * t, h, d).index_select(0, rows).contiguous()
+        return x.detach().transpose(1, 2).reshape(b * t, h, d).index_select(0, layout.rows)
 
     query, key, value = tokens(q), tokens(k), tokens(v)
     ops = torch.ops._C
-    blocks = (lens + BLOCK - 1) // BLOCK
-    table = torch.zeros(b, max(1, int(blocks.max())), dtype=torch.int32)
-    first = torch.cumsum(blocks, 0) - blocks
-    for i in range(b):
-        table[i, : int(blocks[i])] = torch.arange(int(first[i]), int(first[i] + blocks[i]), dtype=torch.int32)
-    n_blocks = max(1, int(blocks.sum()))
-    cache = torch.zeros(n_blocks, h, 2 * BLOCK, d, dtype=q.dtype)
-    key_cache, value_cache = cache.chunk(2, dim=2)
-    within = torch.cat([torch.arange(int(n)) for n in lens])
-    seq = torch.repeat_interleave(torch.arange(b), lens.long())
-    slots = table[seq, within // BLOCK].long() * BLOCK + within % BLOCK
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa, 1.0, 1.0, "auto")
-    starts = torch.zeros(b + 1, dtype=torch.int32)
-    starts[1:] = torch.cumsum(lens, 0)
+    key_cache, value_cache = _kv_cache(layout.n_blocks, h, d).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, layout.slots, isa, 1.0, 1.0, "auto")
+    lens, starts = layout.lens, layout.starts
     metadata = ops.get_scheduler_metadata(b, h, h, d, lens, q.dtype, starts, True, -1, isa, False, None, "auto")
     out = torch.empty_like(query)
     ops.cpu_attention_with_kv_cache(
-        query, key_cache, value_cache, out, starts, lens, d**-0.5, True, None, -1, table, 0.0, metadata,
+        query, key_cache, value_cache, out, starts, lens, d**-0.5, True, None, -1, layout.table, 0.0, metadata,
         None, None, 1.0, 1.0, "auto",
     )  # fmt: skip
     full = torch.zeros(b * t, h, d, dtype=q.dtype)
-    full.index_copy_(0, rows, out)
+    full.index_copy_(0, layout.rows, out)
     return full.view(b, t, h, d).transpose(1, 2)
