@@ -489,3 +489,21 @@ def test_vllm_regions_on_cpus_without_avx512_bf16(cpu_class, build):
     assert got["isa"] == got["trainer_isa"] == "vec" and got["rows_found"], got
     assert got["region_off"] == 0 and got["emulation_off"] > 0 and got["decode_off"] == 0, got
     assert got["padded_rows_zero"] and got["grad_is_emulation_grad"], got
+
+
+def test_the_kernels_kv_buffer_stays_bounded_when_layouts_alternate():
+    """A process that runs two head layouts in turn (a Megatron rank's tensor-parallel shard and the
+    whole policy for its log-probs) keeps one buffer per layout, grown only to what a call needs
+    (a buffer that doubled on every change of layout ran a rank out of memory)."""
+    _vllm_rotary_op()
+    from loomrl.platform.backbone import vllm_kernels
+
+    if vllm_kernels.attention_isa(32) is None:
+        pytest.skip("vLLM's CPU attention kernel does not load here")
+    vllm_kernels._caches.clear()
+    cases = [vllm_region_check.padded_case(heads=h, kv_heads=1, head_dim=32, t=40) for h in (1, 2)]
+    for _ in range(12):
+        for q, k, v, mask, _real in cases:
+            assert vllm_kernels.attention(q, k, v, mask) is not None
+    assert sorted(vllm_kernels._caches) == [(1, 32), (2, 32)]
+    assert all(c.shape[0] == 4 for c in vllm_kernels._caches.values())  # 3 sequences of <= 128 tokens

@@ -149,20 +149,21 @@ def _layout(mask: torch.Tensor, b: int) -> Optional[_Layout]:
     return layout
 
 
-_cache: Optional[torch.Tensor] = None
+_caches: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def _kv_cache(n_blocks: int, heads: int, head_dim: int) -> torch.Tensor:
-    """A paged BF16 KV cache of at least `n_blocks` blocks, kept between calls (zeroing a fresh one
-    per layer cost more than the kernel). Slots a call does not write hold an earlier call's
-    finite values, which the kernel masks out (it reads each request's first `lens` keys)."""
-    global _cache
-    shape = (heads, 2 * BLOCK, head_dim)
-    if _cache is None or _cache.shape[1:] != shape or _cache.shape[0] < n_blocks:
-        _cache = torch.zeros(
-            max(n_blocks, 2 * (_cache.shape[0] if _cache is not None else 0)), *shape, dtype=torch.bfloat16
-        )
-    return _cache[:n_blocks]
+    """A paged BF16 KV cache of `n_blocks` blocks for this head layout, kept between calls (zeroing a
+    fresh one per layer cost more than the kernel): one buffer per (heads, head_dim), so a process
+    that runs two layouts (a tensor-parallel shard and the whole policy) keeps two, each grown to the
+    next power of two of blocks it needed. Slots a call does not write hold an earlier call's finite
+    values, which the kernel masks out (it reads each request's first `lens` keys)."""
+    key = (heads, head_dim)
+    cache = _caches.get(key)
+    if cache is None or cache.shape[0] < n_blocks:
+        blocks = 1 << (n_blocks - 1).bit_length()
+        cache = _caches[key] = torch.zeros(blocks, heads, 2 * BLOCK, head_dim, dtype=torch.bfloat16)
+    return cache[:n_blocks]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Optional[torch.Tensor]:
