@@ -26,6 +26,10 @@ import time
 
 import torch
 
+from loomrl.platform.backbone import vllm_kernels
+from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
+from loomrl.platform.backbone.rounding import SETTINGS
+
 log = logging.getLogger(__name__)
 
 SHAPES = {
@@ -46,10 +50,6 @@ def _batch(rows: int, tokens: int, vocab: int, seed: int = 0):
 
 
 def measure(shape: str, rounds: int) -> dict:
-    from loomrl.platform.backbone import vllm_kernels
-    from loomrl.platform.backbone.decoder import Decoder, DecoderConfig
-    from loomrl.platform.backbone.rounding import SETTINGS
-
     rows, tokens, hidden, layers, heads, kv, inter = SHAPES[shape]
     if vllm_kernels.attention_isa(hidden // heads) is None:
         raise SystemExit("loomrl bench attention: vLLM's CPU attention kernel does not load here (vLLM not installed?)")
