@@ -48,7 +48,8 @@ BLOCK = 128  # vLLM-CPU's default KV block size (`CpuPlatform.check_and_update_c
 
 @functools.cache
 def _platform():
-    """(vLLM's current platform, whether its kernel library loaded), or None without vLLM / off x86."""
+    """vLLM's current platform once it has loaded its kernel library here, or None (no vLLM, not x86,
+    the library did not load, or `LOOMRL_VLLM_KERNELS=0`)."""
     if os.environ.get("LOOMRL_VLLM_KERNELS", "1") == "0":
         return None
     try:
