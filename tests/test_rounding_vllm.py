@@ -297,7 +297,7 @@ def test_vllm_attention_is_the_documented_arithmetic():
 
 
 def _cpu_attention_kernel():
-    """vLLM's CPU attention op with the AMX ISA, or a skip where this CPU or build has none."""
+    """vLLM's CPU ops, ready for the AMX attention kernel, or a skip where this CPU or build has none."""
     if not torch.cpu._is_amx_tile_supported():
         pytest.skip("no AMX on this CPU: vLLM runs its FP32 `vec` attention kernel here, not the AMX one")
     _vllm_rotary_op()  # loads vLLM's kernel library the way vLLM does (skips where it does not load)
@@ -305,56 +305,6 @@ def _cpu_attention_kernel():
         pytest.skip("vLLM's `_C` build with the AMX attention kernel is not the one loaded here")
     torch._C._cpu._init_amx()  # what vLLM's CPU worker does first: the AMX kernel dies with SIGILL without it
     return torch.ops._C
-
-
-def _kernel_attention(ops, qs, ks, vs, heads, kv_heads, head_dim, block_size=128, isa="amx"):
-    """Run `cpu_attention_with_kv_cache` as vLLM's CPU_ATTN backend does (causal, no window, KV
-    split off): request i has keys/values ks[i]/vs[i] [L, kv_heads, D] in a paged BF16 cache and
-    queries qs[i] [T, heads, D] at its last T positions. Returns the outputs per request."""
-    lens = [k.shape[0] for k in ks]
-    blocks = [-(-n // block_size) for n in lens]
-    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
-    start = 0
-    for i, b in enumerate(blocks):
-        table[i, :b] = torch.arange(start, start + b, dtype=torch.int32)
-        start += b
-    cache = torch.zeros(start, kv_heads, 2 * block_size, head_dim, dtype=BF16)
-    key_cache, value_cache = cache.chunk(2, dim=2)
-    slots = torch.cat(
-        [
-            table[i, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
-            for i, n in enumerate(lens)
-        ]
-    )
-    ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, slots, isa, 1.0, 1.0, "auto")
-    starts = torch.tensor([0] + [q.shape[0] for q in qs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    metadata = ops.get_scheduler_metadata(
-        len(lens), heads, kv_heads, head_dim, seq_lens, BF16, starts, True, -1, isa, False, None, "auto"
-    )
-    query = torch.cat(qs)
-    out = torch.empty_like(query)
-    ops.cpu_attention_with_kv_cache(
-        query,
-        key_cache,
-        value_cache,
-        out,
-        starts,
-        seq_lens,
-        head_dim**-0.5,
-        True,
-        None,
-        -1,
-        table,
-        0.0,
-        metadata,
-        None,
-        None,
-        1.0,
-        1.0,
-        "auto",
-    )
-    return out.split([q.shape[0] for q in qs])
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 1, 32), (14, 2, 64)])  # the demo's, Qwen2-0.5B's
@@ -367,11 +317,11 @@ def test_vllm_attention_is_cpu_attention_kernel(heads, kv_heads, head_dim):
     there; where the output nearly cancels that is several ulps of the output itself); native, torch's
     BF16 SDPA, differs on ~1% (prefill) and at least ten times as often. The float64 reference of the
     documented arithmetic (tests/attention_reference.py) holds to the kernel the same way."""
-    ops = _cpu_attention_kernel()
+    _cpu_attention_kernel()  # skips without the AMX kernel; readies AMX tiles
     g = torch.Generator().manual_seed(head_dim)
     for decode in (False, True):
         qs, ks, vs = _requests(g, [5, 37, 100, 128, 400], heads, kv_heads, head_dim, decode)
-        got = _kernel_attention(ops, qs, ks, vs, heads, kv_heads, head_dim)
+        got = vllm_region_check.kernel_requests(qs, ks, vs, "amx")
         off = ref_off = total = native_off = long = rising = 0
         for q, k, v, out in zip(qs, ks, vs, got):
             vllm = _mode_attention(q, k, v, heads, kv_heads, "vllm")

@@ -37,43 +37,58 @@ def padded_case(heads=4, kv_heads=2, head_dim=32, t=150, seed=0):
 
 
 def kernel_rows(q, k, v, real, isa, decode=False):
-    """vLLM's kernel on each sequence's real tokens alone (one call each), via vLLM's own Python
-    wrappers; [N, H, D] in the order of `real.nonzero()`. decode: each token as its own one-query
-    call over the keys up to it (a decode step), instead of one prefill call per sequence."""
-    b, h, t, d = q.shape
-    outs = []
+    """vLLM's kernel on each sequence's real tokens alone (one request each); [N, H, D] in the order
+    of `real.nonzero()`. decode: each token as its own one-query request over the keys up to it (a
+    decode step), instead of one prefill request per sequence."""
+    b = q.shape[0]
+    qs, ks, vs = [], [], []
     for i in range(b):
         idx = real[i].nonzero().squeeze(-1)
         query, key, value = (x[i][:, idx].transpose(0, 1).contiguous() for x in (q, k, v))
-        if not decode:
-            outs.append(_one_call(query, key, value, isa))
-            continue
-        outs += [_one_call(query[j : j + 1], key[: j + 1], value[: j + 1], isa) for j in range(len(idx))]
-    return torch.cat(outs)
+        spans = [(j, j + 1) for j in range(len(idx))] if decode else [(0, len(idx))]
+        for lo, hi in spans:
+            qs.append(query[lo:hi])
+            ks.append(key[:hi])
+            vs.append(value[:hi])
+    return torch.cat(kernel_requests(qs, ks, vs, isa))
 
 
-def _one_call(query, key, value, isa):
-    """One request: `query` [Q, H, D] at the last Q positions of `key`/`value` [N, H, D]."""
+def kernel_requests(qs, ks, vs, isa, block_size=128):
+    """Run `cpu_attention_with_kv_cache` through vLLM's own Python wrappers as its CPU_ATTN backend
+    does (causal, no window, KV split off), in one call: request i has keys/values ks[i]/vs[i]
+    [L, kv_heads, D] in a paged BF16 cache and queries qs[i] [T, heads, D] at its last T positions.
+    Returns the outputs per request."""
     from vllm import _custom_ops as ops
 
-    n, h, d = key.shape
-    block = 128
-    blocks = -(-n // block)
-    cache = torch.zeros(blocks, h, 2 * block, d, dtype=BF16)
+    heads, kv_heads, head_dim = qs[0].shape[1], ks[0].shape[1], qs[0].shape[2]
+    lens = [k.shape[0] for k in ks]
+    blocks = [-(-n // block_size) for n in lens]
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    start = 0
+    for i, nb in enumerate(blocks):
+        table[i, :nb] = torch.arange(start, start + nb, dtype=torch.int32)
+        start += nb
+    cache = torch.zeros(start, kv_heads, 2 * block_size, head_dim, dtype=BF16)
     key_cache, value_cache = cache.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n), isa)
-    starts = torch.tensor([0, len(query)], dtype=torch.int32)
-    lens = torch.tensor([n], dtype=torch.int32)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=h, num_kv_heads=h, head_dim=d, seq_lens=lens, dtype=BF16,
-        query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
-    )  # fmt: skip
-    out = torch.empty_like(query)
-    table = torch.arange(blocks, dtype=torch.int32)[None]
-    ops.cpu_attention_with_kv_cache(
-        query, key_cache, value_cache, out, starts, lens, d**-0.5, True, None, -1, table, 0.0, meta, None
+    slots = torch.cat(
+        [
+            table[i, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+            for i, n in enumerate(lens)
+        ]
     )
-    return out
+    ops.cpu_attn_reshape_and_cache(torch.cat(ks), torch.cat(vs), key_cache, value_cache, slots, isa)
+    starts = torch.tensor([0] + [q.shape[0] for q in qs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(lens), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, seq_lens=seq_lens,
+        dtype=BF16, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+    )  # fmt: skip
+    query = torch.cat(qs)
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(
+        query, key_cache, value_cache, out, starts, seq_lens, head_dim**-0.5, True, None, -1, table, 0.0, meta, None
+    )
+    return out.split([q.shape[0] for q in qs])
 
 
 def attention_counts() -> dict:
