@@ -66,6 +66,9 @@ def test_the_grid_runs_each_cell_with_its_seed_threads_and_kernels(tmp_path, dem
         ]
         rewards = [r["reward_mean"] for r in rows]
         assert c["first"] == round(rewards[0], 4) and c["last"] == round(sum(rewards[-2:]) / 2, 4)
+        for k in ("size", "color", "pitch"):  # slot_match's parts over the last 2 steps
+            have = [r[f"reward_slot_{k}_mean"] for r in rows[-2:] if f"reward_slot_{k}_mean" in r]
+            assert c["parts"][f"slot_{k}"] == round(sum(have) / len(have), 4)
         summary = json.loads((tmp_path / "grid" / f"seed{c['seed']}-t1-{c['capability']}" / "summary.json").read_text())
         assert summary["machine"]["threads"] == 1
         saved = yaml.safe_load(

@@ -6,8 +6,9 @@ and on the seed, and RL amplifies a last-bit difference into another run. So the
 claim is a grid, not a run: every cell is `loomrl run RECIPE` with one seed, one
 `training.threads` and one CPU capability (`ATEN_CPU_CAPABILITY=avx2` makes torch pick the
 kernels an AVX2-only CPU would; `default` is what this CPU gets), and the table shows each
-cell's reward over the first RL steps and the last ones, whether the recipe's goal was met,
-and the median over the cells.
+cell's reward over the first RL steps and the last ones, the part of the reward it got least of
+at the end (`slot_match`: which slot; a cell that stalls says where), whether the recipe's goal
+was met, and the median over the cells.
 
 Cells run as separate processes, as many at once as their threads fit the cores
 (`--jobs-cores`); each cell's `wall_s` is its own run time while sharing the machine that way, so
@@ -18,7 +19,9 @@ the figure to quote for "run time on 2 cores" is a cell run alone (`--jobs-cores
     loomrl bench demo --recipe recipes/demo-ppo.yaml rollout.engine=vllm   # overrides go to every cell
 
 The JSON last line: {"recipe", "overrides", "cells": [{"seed", "threads", "capability",
-"kernels" (what torch reported in the cell), "first", "last", "best", "goal_met", "wall_s"},
+"kernels" (what torch reported in the cell), "first", "last", "best", "goal_met", "wall_s", "parts":
+{name: mean over the last steps} of the reward's parts (`slot_match`: slot_size, slot_color,
+slot_pitch; the table names the weakest)},
 ...], "median_last", "cells_met", "cells_total"}; exit 0 when every cell met the goal, else 3.
 """
 
@@ -92,7 +95,21 @@ def _result(cell: dict, out: Path, rc: int, wall: float, first_n: int, last_n: i
             last=round(statistics.fmean(rewards[-last_n:]), 4),
             best=round(max(rewards), 4),
         )
+    # what the reward is made of over the last steps (reward_<part>_mean: slot_match's slots)
+    tail = [r for r in rows if "reward_mean" in r][-last_n:]
+    names = sorted({k for r in tail for k in r if k.startswith("reward_") and k.endswith("_mean")} - {"reward_mean"})
+    res["parts"] = {
+        n[len("reward_") : -len("_mean")]: round(statistics.fmean(r[n] for r in tail if n in r), 4) for n in names
+    }
     return res
+
+
+def weakest(parts: dict) -> str:
+    """The part of the reward a cell got least of over its last steps, as `name value`."""
+    if not parts:
+        return "-"
+    name = min(parts, key=lambda n: (parts[n], n))
+    return f"{name.removeprefix('slot_')} {parts[name]}"
 
 
 def _prepare(recipe: str, overrides: list[str]) -> tuple[int, int]:
@@ -152,14 +169,14 @@ def run_grid(
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| seed | threads | CPU kernels | reward first -> last | best | goal | run s |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| seed | threads | CPU kernels | reward first -> last | best | weakest part | goal | run s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         goal = {True: "met", False: "NOT MET"}.get(r["goal_met"], f"failed (exit {r['rc']})")
         lines.append(
             f"| {r['seed']} | {r['threads']} | {r['kernels'] or r['capability']} | {r['first']} -> {r['last']} | "
-            f"{r['best']} | {goal} | {r['wall_s']:.0f} |"
+            f"{r['best']} | {weakest(r.get('parts', {}))} | {goal} | {r['wall_s']:.0f} |"
         )
     return "\n".join(lines)
 

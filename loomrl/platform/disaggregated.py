@@ -60,7 +60,7 @@ from loomrl.platform.algorithms.dynamic_sampling import DynamicBooks, informativ
 from loomrl.platform.algorithms.overlong import apply_overlong
 from loomrl.platform.engines.launch import ONE_NODE, Nodes, torchrun_command
 from loomrl.platform.parts import build_policy_parts, configure_torch, sampling_params
-from loomrl.platform.rewards.sources import score
+from loomrl.platform.rewards.sources import score_parts
 from loomrl.platform.rollout import build_rollout_engine
 from loomrl.platform.rollout.base import Prompt
 from loomrl.platform.trainer import Interrupted, Trainer
@@ -269,10 +269,9 @@ class WorkerSource:
         job = self.disp.complete(w, meta["key"])
         s = job.prompt
         texts = [self.trainer.tokenizer.decode(r["ids"], skip_special_tokens=True) for r in meta["rollouts"]]
-        rewards, by_source = score(self.trainer.reward_fn, texts, [s.record] * len(texts))
+        rewards, all_parts = score_parts(self.trainer.reward_fn, texts, [s.record] * len(texts))
         now = time.perf_counter()
-        for i, (r, reward) in enumerate(zip(meta["rollouts"], rewards)):
-            parts = {name: float(v[i]) for name, v in by_source.items()}
+        for r, reward, parts in zip(meta["rollouts"], rewards, all_parts):
             traj = Trajectory(
                 s.id, 0, s.ids, r["ids"], s.media, r["logp"], float(reward), meta["version"], reward_parts=parts
             )

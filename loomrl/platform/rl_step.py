@@ -33,6 +33,7 @@ from loomrl.platform.engines.base import allreduce_max
 from loomrl.platform.engines.torch_engine import autocast
 from loomrl.platform.mismatch import mismatch_metrics
 from loomrl.platform.placement import TRANSFERS, memory_row
+from loomrl.platform.rewards.base import PART
 from loomrl.platform.run_state import Phases, StepTally, rl_lr, scheduled, value_metrics
 from loomrl.platform.trajectory.batch import MicroBatch, Trajectory
 from loomrl.platform.trajectory.layout import layout
@@ -70,6 +71,22 @@ def fill_logprobs(
             mb.old_nucleus = out[-1]
         if value_head is not None:
             mb.values = value_head(out[2]).float()  # FP32 whatever the forward's precision
+
+
+def reward_part_means(trajs: list, listed_sources: bool) -> dict[str, float]:
+    """`reward_<name>_mean` of the step's trajectories: each reward source's score where there are
+    several (or `algorithm.rewards` lists them), and every diagnostic part (`part:<name>`, rewards'
+    `parts` trait) over the trajectories that have it (`slot_pitch`: the prompts with a sound)."""
+    names = sorted({n for t in trajs for n in t.reward_parts})
+    sources = [n for n in names if not n.startswith(PART)]
+    out = {}
+    if len(sources) > 1 or listed_sources:
+        out = {f"reward_{n}_mean": sum(t.reward_parts[n] for t in trajs) / len(trajs) for n in sources}
+    for n in names:
+        if n.startswith(PART):
+            have = [t.reward_parts[n] for t in trajs if n in t.reward_parts]
+            out[f"reward_{n[len(PART) :]}_mean"] = sum(have) / len(have)
+    return out
 
 
 class RLSteps:
@@ -237,9 +254,7 @@ class RLSteps:
                 "rollout_kl": totals["is_kl"] / tokens,  # KL(rollout || trainer), k3 on the sampled tokens
             }
         )
-        names = sorted({n for t in trajs for n in t.reward_parts})
-        if len(names) > 1 or self.recipe.algorithm.rewards:
-            row.update({f"reward_{n}_mean": sum(t.reward_parts[n] for t in trajs) / len(trajs) for n in names})
+        row.update(reward_part_means(trajs, bool(self.recipe.algorithm.rewards)))
         row.update(tally.adv_stats)
         row.update(value_metrics(totals, tally.critic_totals, tokens, updates))
         counts = self.counts()

@@ -13,6 +13,10 @@ one may take keyword parameters, read from its reward source's config. Its trait
                   pattern that does not compile)
     any_answer    true: also scored against each of a sample's `meta.answers` (VQA sets list
                   several), the best score counting
+    parts         fn(completion, sample) -> {name: float}: what the reward is made of, for the
+                  metrics row only (`slot_match`: each slot right or not, `slot_color`, ...): the
+                  trainer reports each part's mean over the completions that have it as
+                  `reward_<name>_mean`; parts never enter the reward
 
 build_reward and the recipe's validation (`config.py`) read the entry, so a new reward is one
 function and one registration (docs/extending.md); an unknown name is a RecipeError listing the
@@ -22,7 +26,7 @@ registered ones.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from loomrl.config.registry import Registry
 
@@ -32,6 +36,10 @@ Reward = Callable[[str, dict], float]
 REWARDS: Registry[Callable[..., float]] = Registry("reward", key="algorithm.reward")
 """The rewards by name, filled by the modules that `loomrl.platform.rewards` imports (`demo.py`:
 slot_match, exact_match; `tasks.py`: exact, numeric, choice, math, iou, regex)."""
+
+PART = "part:"
+"""The prefix of a diagnostic part's name in a trajectory's `reward_parts`, beside the sources' names
+(`rewards/sources.py` score_parts; the trainer reports `part:slot_color` as `reward_slot_color_mean`)."""
 
 MAX_ANSWERS = 32
 """`any_answer`: at most this many of a sample's `meta.answers` are tried."""
@@ -58,6 +66,11 @@ def build_reward(name: str, cfg: Any = None) -> Reward:
         check(**params)
     fn: Reward = functools.partial(entry.obj, **params) if params else entry.obj
     return best_of_answers(fn) if entry.trait("any_answer", False) else fn
+
+
+def reward_parts(name: str) -> Optional[Callable[[str, dict], dict]]:
+    """The `parts` trait of the registered reward `name` (None: not registered, or no parts)."""
+    return REWARDS.get(name).trait("parts") if name in REWARDS else None
 
 
 def best_of_answers(fn: Reward) -> Reward:

@@ -15,22 +15,22 @@ from loomrl.platform.rewards.base import REWARDS
 _SLOT = re.compile(r"^\{(\w+)\}$")
 
 
-@REWARDS.register("slot_match")
+def slots_right(completion: str, sample: dict) -> dict[str, float]:
+    """`slot_match`'s parts: per slot of the sample's template, `slot_<name>` 1.0 when the
+    completion has the template's words in place and that slot's word right, else 0.0."""
+    meta = sample["meta"]
+    words, template = completion.split(), meta["template"].split()
+    slots = [(i, m.group(1)) for i, t in enumerate(template) if (m := _SLOT.match(t))]
+    in_place = len(words) == len(template) and all(w == t for w, t in zip(words, template) if not _SLOT.match(t))
+    return {f"slot_{name}": float(in_place and words[i] == meta["slots"][name]) for i, name in slots}
+
+
+@REWARDS.register("slot_match", parts=slots_right)
 def slot_match(completion: str, sample: dict) -> float:
     """For templated answers (meta.template with {slot} words, meta.slots): 0 unless the
     completion has the template's words in place; then the fraction of slots right."""
-    meta = sample["meta"]
-    words, template = completion.split(), meta["template"].split()
-    if len(words) != len(template):
-        return 0.0
-    right = 0
-    for w, t in zip(words, template):
-        slot = _SLOT.match(t)
-        if slot:
-            right += w == meta["slots"][slot.group(1)]
-        elif w != t:
-            return 0.0
-    return right / max(1, len(meta["slots"]))
+    right = slots_right(completion, sample)
+    return sum(right.values()) / max(1, len(sample["meta"]["slots"]))
 
 
 @REWARDS.register("exact_match")

@@ -39,7 +39,7 @@ from loomrl.platform.algorithms.dynamic_sampling import DynamicBooks, informativ
 from loomrl.platform.algorithms.overlong import apply_overlong
 from loomrl.platform.engines.base import check_rank_agreement, gather_rank_states, rank_state, world
 from loomrl.platform.parts import sampling_params, to_prompts
-from loomrl.platform.rewards.sources import score
+from loomrl.platform.rewards.sources import score_parts
 from loomrl.platform.trajectory.admission import admit_step
 from loomrl.platform.trajectory.batch import Trajectory
 from loomrl.platform.trajectory.transport import pack, unpack
@@ -422,18 +422,12 @@ class ColocatedSource:
 
         texts = [self.tokenizer.decode(r.completion_ids, skip_special_tokens=True) for r in result.rollouts]
         records = [samples[mine[r.prompt_index]].record for r in result.rollouts]
-        totals, by_source = score(self.reward_fn, texts, records)
+        totals, parts = score_parts(self.reward_fn, texts, records)
         return [
             RolloutRow(
-                mine[r.prompt_index],
-                r.sample_index,
-                r.completion_ids,
-                r.logprobs,
-                float(reward),
-                r.finish_reason,
-                {name: float(v[i]) for name, v in by_source.items()},
+                mine[r.prompt_index], r.sample_index, r.completion_ids, r.logprobs, float(reward), r.finish_reason, p
             )
-            for i, (r, reward) in enumerate(zip(result.rollouts, totals))
+            for r, reward, p in zip(result.rollouts, totals, parts)
         ]
 
     def _rollout_metrics(self, samples, trajs, rows, gathered, ranks_agree: bool) -> dict:
