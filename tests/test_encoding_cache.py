@@ -302,6 +302,7 @@ def test_run_reports_encoder_metrics(tmp_path):
                     f"data.shards={tmp_path}/shards/demo-*.tar",
                     "data.demo.samples=24",
                     f"algorithm.reward={__name__}:length_reward",
+                    "model.encoders.frozen=false",  # the towers train: their gradients go through the dedup
                     "training.steps=2",
                     "training.warmup.steps=0",
                     "training.mini_batches=1",

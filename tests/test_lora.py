@@ -72,7 +72,7 @@ def test_at_init_the_lora_policy_is_the_base_model_exactly(samples):
 
 
 def test_only_adapters_towers_and_embeddings_train_and_merge_by_hand():
-    tok, _, model = build_policy_parts(_recipe("model.lora.rank=4", "model.lora.alpha=8"))
+    tok, _, model = build_policy_parts(_recipe("model.lora.rank=4", "model.lora.alpha=8", "model.encoders.frozen=false"))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     lm = {n for n in trainable if n.startswith("language_model.")}
     assert lm == {n for n, _ in model.named_parameters() if "lora_" in n} | {"language_model.model.embed_tokens.weight"}
@@ -172,6 +172,7 @@ def test_cli_run_trains_adapters_only_and_export_is_merged(tmp_path, capsys):
     run = tmp_path / "run"
     overrides = [
         "model.lora.rank=8",
+        "model.encoders.frozen=false",  # the towers train beside the adapters (the demo freezes them)
         "training.warmup.steps=0",
         "training.steps=3",
         "training.mini_batches=1",
