@@ -107,7 +107,10 @@ def test_bf16_step_updates_fp32_master_weights_and_fp32_optimizer_state(model, b
     assert float(torch.nn.functional.cosine_similarity(step16, step32, dim=0)) > 0.9
 
 
-def test_short_bf16_run_through_the_cli(tmp_path, capsys):
+@pytest.mark.parametrize("frozen", ["true", "false"])
+def test_short_bf16_run_through_the_cli(tmp_path, capsys, frozen):
+    """`frozen`: frozen towers' encodings are cached across steps; one made without autocast (the
+    rollout's) must not serve the autocast forwards, or the step-0 KL is not 0."""
     out = tmp_path / "run"
     rc = main(
         [
@@ -130,6 +133,7 @@ def test_short_bf16_run_through_the_cli(tmp_path, capsys):
             "logging.progress=false",
             "algorithm.kl_coef=0.01",
             "algorithm.reward=rewards_for_tests:distinct_words",
+            f"model.encoders.frozen={frozen}",
         ]
     )  # a reward that varies from the start
     assert rc == 0

@@ -72,7 +72,8 @@ def test_at_init_the_lora_policy_is_the_base_model_exactly(samples):
 
 
 def test_only_adapters_towers_and_embeddings_train_and_merge_by_hand():
-    tok, _, model = build_policy_parts(_recipe("model.lora.rank=4", "model.lora.alpha=8", "model.encoders.frozen=false"))
+    recipe = _recipe("model.lora.rank=4", "model.lora.alpha=8", "model.encoders.frozen=false")  # towers that train
+    tok, _, model = build_policy_parts(recipe)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     lm = {n for n in trainable if n.startswith("language_model.")}
     assert lm == {n for n, _ in model.named_parameters() if "lora_" in n} | {"language_model.model.embed_tokens.weight"}

@@ -329,9 +329,12 @@ class VLM(nn.Module):
 
     def tower_identity(self, kind: str) -> tuple:
         """What decides the tower output for `kind` besides the weights: the tower's class,
-        config, dtype, device and train/eval mode."""
+        config, dtype, device, train/eval mode and the autocast in force (a BF16 run's loss and
+        reference forwards encode under autocast, its rollouts without: neither serves the other)."""
         tower = self.tower_of(kind)
         p = next(tower.parameters())
+        dev = p.device.type
+        autocast = str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
         return (
             kind,
             type(tower).__name__,
@@ -339,6 +342,7 @@ class VLM(nn.Module):
             str(p.dtype),
             str(p.device),
             tower.training,
+            autocast,
         )
 
     def encode(self, media: list[Medium], dedup: bool = True) -> tuple[MediaEncodings, EncodeStats]:
