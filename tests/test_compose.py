@@ -46,6 +46,7 @@ CASES = {
         "training.engine=fsdp2",
         "training.nproc=2",
         "training.activation_checkpointing=true",
+        "model.encoders.frozen=false",  # the demo's towers are frozen; here they train (SharedEncodings' backward)
     ],
     "colocated-megatron-tp2-vllm": [
         "training.engine=megatron",

@@ -57,7 +57,7 @@ def test_demo_rl_raises_the_reward_above_a_control_that_does_not_learn(tmp_path,
     """`full`: 60 warm-up steps, not 100: with the recipe's grad_clip 0.5 the 100-step warm-up
     already reaches ~0.63 on these 24 samples, and 40 RL steps from there rose 0.03 above the
     control on one CPU and not on another; from ~0.42 the learner ends 0.085-0.093 above it
-    (AVX2 and AVX-512 kernels).
+    (AVX2 and AVX-512 kernels; measured with trained towers, before the recipe froze them).
     `lora`: the same with LoRA adapters on the language model (its own weights frozen; warm-up
     and RL train the adapters, towers and embeddings), over 60 RL steps: the adapters learn more
     slowly, and in 40 steps the rise from the first rollouts was 0.048 on one draw of the samples."""

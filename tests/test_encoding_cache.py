@@ -271,6 +271,23 @@ def test_frozen_encoders_cached_across_steps(tokenizer):
     assert not torch.equal(before, model.audio_projector.weight)  # the projector still trains
 
 
+def test_frozen_encodings_do_not_depend_on_what_was_encoded_with_them(tokenizer):
+    """Cached across steps, a frozen tower's encoding must be the one a resumed run (empty cache)
+    computes, whatever media shared the first tower call: each miss is encoded alone."""
+    together, apart = make_model(tokenizer, frozen=True), make_model(tokenizer, frozen=True)
+    media = [m for _, ms in groups_of_media(together.cfg) for m in ms]
+    counts = count_tower_inputs(apart)
+    with torch.no_grad():
+        want = together.encode(media)[0]
+        got = {}
+        for m in reversed(media):  # one at a time, in another order
+            got.update(apart.encode([m])[0])
+    assert counts == {"image": 3, "audio": 3}
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+
+
 def test_lru_evicts_the_least_recently_used_and_forgets_old_weights():
     cache = EncodingCache(2)
     for k in "abc":

@@ -216,12 +216,15 @@ def test_demo_recipe_counts_loomrls_policy(capsys, tokenizer):
     from loomrl.platform.backbone.vlm import build_policy
 
     recipe = R.load_recipe(ROOT / "recipes/demo.yaml", files=False)
-    n = sum(p.numel() for p in build_policy(recipe.model, tokenizer, seed=0).parameters())
+    policy = build_policy(recipe.model, tokenizer, seed=0)
+    n = sum(p.numel() for p in policy.parameters())
+    assert recipe.model.encoders.frozen  # the demo's towers (and the vision merger) do not train
+    t = n - sum(p.numel() for m in (policy.visual, policy.audio_tower) for p in m.parameters())
     data, _ = _plan(capsys, str(ROOT / "recipes/demo.yaml"))
-    assert data["params_total"] == n and data["params_trainable"] == n
+    assert data["params_total"] == n and data["params_trainable"] == t < n
     assert (data["engine"], data["ranks"]) == ("torch", {"world": 1, "dp": 1, "tp": 1})
     b = data["per_rank_bytes"]
-    assert b["weights"] == 4 * n and b["gradients"] == 4 * n and b["optimizer"] == 8 * n  # fp32, AdamW
+    assert b["weights"] == 4 * n and b["gradients"] == 4 * t and b["optimizer"] == 8 * t  # fp32, AdamW
     assert "policy_copy" not in b
     # the built-in engine's KV cache: 32 prompts x 8 samples, 2 layers, 2 kv heads of 64 / 2
     assert b["rollout"] == 2 * 2 * 2 * 32 * (512 + 16) * (32 * 8) * 4

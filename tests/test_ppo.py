@@ -10,6 +10,7 @@ import torch
 from loomrl.platform.algorithms.critic import Critic, ValueHead, build_critic
 from loomrl.platform.algorithms.grpo import policy_loss
 from loomrl.platform.algorithms.ppo import gae, token_rewards, value_loss, whiten
+from loomrl.platform.metrics import comparable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,10 +130,7 @@ def cli(tmp: Path, out: str, *extra: str) -> int:
 
 
 def rows(path: Path) -> list[dict]:
-    return [
-        {k: v for k, v in json.loads(line).items() if not k.endswith(("_s", "per_s", "_us", "speedup"))}
-        for line in path.read_text().splitlines()
-    ]
+    return [comparable(json.loads(line)) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("critic", ["value_head", "separate"])

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from loomrl.platform.metrics import comparable
+
 ROOT = Path(__file__).resolve().parent.parent
-TIMING = ("_s", "per_s", "_us", "speedup")
 
 
 def cli(tmp: Path, out: str, *extra: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
@@ -47,9 +48,8 @@ def cli(tmp: Path, out: str, *extra: str, kill_at: str | None = None) -> subproc
 
 
 def rows(path: Path) -> list[dict]:
-    return [
-        {k: v for k, v in json.loads(line).items() if not k.endswith(TIMING)} for line in path.read_text().splitlines()
-    ]
+    """The rows without timings and per-process counters (metrics.comparable)."""
+    return [comparable(json.loads(line)) for line in path.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,7 @@ def checkpointing(model, trajs) -> dict:
     grads = []
     for on in (False, True):
         m = copy.deepcopy(model).to(DEVICE).train()
+        m.requires_grad_(True)  # the demo freezes its towers: here they train, so their checkpointing is checked too
         m.set_activation_checkpointing(on)
         mb = micro_batches(trajs[:16], m.pad_token_id, 16, device=m.device)[0]
         logp, _ = m.sequence_logprobs(mb.input_ids, mb.attention_mask, mb.media)

@@ -12,7 +12,8 @@ from torch.utils.tensorboard import SummaryWriter
 
 # What two runs of one seed may differ in, and comparisons of their rows leave out: timings (seconds
 # and microseconds by their unit suffix: the phase timers are named `<phase>_s`; by name the two
-# ratios of timings) and counters of one process (a resumed run's process starts them at 0).
+# ratios of timings) and counters of one process (a resumed run's process starts them at 0; its
+# encoding cache starts empty, so it encodes what the uninterrupted run served from its cache).
 # Every other field, algorithm statistics such as clip_frac included, must be equal.
 TIMING_UNITS = ("_s", "_us")
 TIMING_RATIOS = ("trainer_idle_frac", "drafting_speedup")
@@ -22,6 +23,11 @@ PER_PROCESS = (
     "media_bytes_sent_to_workers",
     "media_bytes_naive_to_workers",
     "vllm_sync_logp_diff",
+    "enc_calls",
+    "enc_bytes_moved",
+    "enc_cache_hits",
+    "enc_cache_misses",
+    "enc_cache_entries",
 )
 
 
