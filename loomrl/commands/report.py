@@ -1,6 +1,7 @@
-"""`loomrl report DIR`: DIR/report.png with reward (training and validation), loss and
-throughput curves. A supervised run (`algorithm.name: sft`) has no training reward: its reward
-panel shows the validation reward alone.
+"""`loomrl report DIR`: DIR/report.png with reward (training and validation), loss, entropy,
+throughput, time per step and the reward's parts (`reward_<part>_mean`, e.g. slot_match's slots).
+A supervised run (`algorithm.name: sft`) has no training reward: its reward panel shows the
+validation reward alone.
 
 `loomrl report DIR1 DIR2 ... --out FILE.png`: the runs overlaid, one line per run (its folder's
 name) in each panel of `COMPARE` (10-step means): reward, entropy, the rollout/trainer log-prob
@@ -71,6 +72,8 @@ def write_report(run_dir: Path) -> Path:
         (axes[0, 1], "loss", "loss"),
         (axes[1, 0], "tokens_per_s", "rollout throughput (tokens/s)"),
         (axes[1, 1], None, "time per step (s)"),
+        (axes[0, 2], "entropy", "entropy"),
+        (axes[1, 2], "parts", "reward by part (10-step mean)"),
     ]
     for ax, key, title in panels:
         # a key a run did not log (an older run folder), or logged as something other than a
@@ -81,6 +84,18 @@ def write_report(run_dir: Path) -> Path:
                 if xs:
                     ax.plot(xs, vals, label=k.replace("_s", ""))
             ax.legend()
+        elif key == "parts":
+            parts = sorted(
+                {k for r in rows for k in r if k.startswith("reward_") and k.endswith("_mean")} - {"reward_mean"}
+            )
+            for k in parts:
+                xs, vals = _series(rows, k)
+                if xs:
+                    ax.plot(xs, _smooth(vals), label=k[len("reward_") : -len("_mean")])
+            if parts:
+                ax.legend()
+            else:
+                ax.text(0.5, 0.5, "the reward reports no parts", ha="center", transform=ax.transAxes)
         elif _series(rows, key)[0] or (key == "reward_mean" and _series(rows, "val_reward_mean")[0]):
             xs, vals = _series(rows, key)
             if xs:
