@@ -59,8 +59,9 @@ def test_demo_rl_raises_the_reward_above_a_control_that_does_not_learn(tmp_path,
     control on one CPU and not on another; from ~0.42 the learner ends 0.085-0.093 above it
     (AVX2 and AVX-512 kernels; measured with trained towers, before the recipe froze them).
     `lora`: the same with LoRA adapters on the language model (its own weights frozen; warm-up
-    and RL train the adapters, towers and embeddings), over 60 RL steps: the adapters learn more
-    slowly, and in 40 steps the rise from the first rollouts was 0.048 on one draw of the samples."""
+    and RL train the adapters and embeddings, and the audio projector: the recipe freezes the towers),
+    over 60 RL steps: the adapters learn more slowly, and in 40 steps the rise from the first
+    rollouts was 0.048 on one draw of the samples (measured with trained towers)."""
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     learner = rewards(tmp_path, "learn", demo_shards, extra)
     control = rewards(tmp_path, "control", demo_shards, [*extra, "training.lr=1e-12"])
