@@ -312,10 +312,6 @@ class VLM(nn.Module):
                 out[i] = e
         return out
 
-    def towers_one_by_one(self, media: list[Medium]) -> list[torch.Tensor]:
-        """`towers` with one medium per tower call: each output independent of the others asked for."""
-        return [self.towers([m])[0] for m in media]
-
     @staticmethod
     def _by_modality(media: list[Medium]) -> list[tuple[type[Modality], list[int]]]:
         """(modality, the indices of its items in `media`) for each modality `media` has, in order."""
@@ -368,21 +364,15 @@ class VLM(nn.Module):
             for kind in identity
         }
         version = tuple(weights_version(t) for t in self.tower_modules())
-        # When no tower trains, entries outlive the step: each is then encoded alone, so its last bits
-        # do not depend on which media shared its first tower call (a matmul's rounding depends on
-        # its row count), and a resumed run, whose cache starts empty, encodes what the uninterrupted
-        # run served from its cache bit for bit. With a tower that trains, the cache lasts one step.
+        # No tower trains: entries outlive the step, so each is encoded alone (a matmul's last bits
+        # depend on its row count) and a resumed run's empty cache recomputes them bit for bit.
         lasting = not any(p.requires_grad for t in self.tower_modules() for p in t.parameters())
 
         def cache_key(m: Medium) -> tuple[tuple, tuple]:
             return (m.hash, m.prep, identity[m.kind]), version
 
-        raw, stats = encode_distinct(
-            [m for m in media if not graph[m.kind]],
-            self.towers_one_by_one if lasting else self.towers,
-            self.encoding_cache,
-            cache_key,
-        )
+        encoder = (lambda ms: [self.towers([m])[0] for m in ms]) if lasting else self.towers
+        raw, stats = encode_distinct([m for m in media if not graph[m.kind]], encoder, self.encoding_cache, cache_key)
         fresh, fresh_stats = encode_distinct([m for m in media if graph[m.kind]], self.towers)
         raw.update(fresh)
         stats.add(fresh_stats)
