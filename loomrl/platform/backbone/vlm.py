@@ -364,9 +364,9 @@ class VLM(nn.Module):
             for kind in identity
         }
         version = tuple(weights_version(t) for t in self.tower_modules())
-        # No tower trains: entries outlive the step, so each is encoded alone (a matmul's last bits
-        # depend on its row count) and a resumed run's empty cache recomputes them bit for bit.
-        lasting = not any(p.requires_grad for t in self.tower_modules() for p in t.parameters())
+        # Towers frozen by the recipe (a reference copy decides alike): entries outlive the step, so each
+        # is encoded alone (a matmul's bits depend on its rows): a resumed run's empty cache recomputes them.
+        lasting = self.cfg.encoders.frozen or set(ENCODER_PARTS) <= self.frozen
 
         def cache_key(m: Medium) -> tuple[tuple, tuple]:
             return (m.hash, m.prep, identity[m.kind]), version
