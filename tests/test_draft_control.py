@@ -268,6 +268,29 @@ def test_sampled_tokens_follow_the_model_probabilities_under_the_controller(peak
     assert_fits(counts, exact, 1500, "first 4 tokens", min_df=10)
 
 
+def test_a_row_drafts_from_every_token_it_has_after_plain_forwards(peaky_model, monkeypatch):
+    """Plain forwards (k = 0) do not index their tokens into the rows' drafter states; when a row
+    drafts again, its state holds the prompt and every token committed so far (caught up), with
+    the controller changing the draft length every forward, k = 0 included."""
+    prompts = [Prompt(f"p{i}", [8 + i, 9, 12 + 2 * i, 15, 20 + i], []) for i in range(4)]
+    params = SamplingParams(n=6, temperature=1.0, max_new_tokens=12)
+    eng = controlled_engine(peaky_model, prompts, params)
+    propose_all = TorchRolloutEngine._propose_all
+    checked = []
+
+    def checking(self, d, prompts, params, arm, ready, stats):
+        out = propose_all(self, d, prompts, params, arm, ready, stats)
+        for i in out:
+            assert d.states[i].tokens == prompts[d.rows[i][0]].ids + d.tokens[i], f"row {i}: stale drafter state"
+            checked.append(len(d.tokens[i]))
+        return out
+
+    monkeypatch.setattr(TorchRolloutEngine, "_propose_all", checking)
+    eng.generate(prompts, params, torch.Generator().manual_seed(5))
+    eng.shutdown()
+    assert Choice(0) in eng.control.used and max(checked) > 2  # rows drafted after plain forwards
+
+
 def test_the_first_fit_of_a_workload_is_adopted_by_later_runs(tmp_path, monkeypatch):
     """The machine's cache keeps the first fit per workload; a second controller of that workload,
     calibrated on another clock, adopts it at the end of the same schedule; another workload fits

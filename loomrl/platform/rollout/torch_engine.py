@@ -325,13 +325,15 @@ class TorchRolloutEngine:
                 continue
             left = params.max_new_tokens - 1 - len(d.tokens[i])
             n = min(arm.k, left) if arm.nodes else min(arm.k, d.cap[i], left)
+            prompt = prompts[d.rows[i][0]]
+            if d.states[i] is None:
+                d.states[i] = self.drafter.start(prompt.id, prompt.ids + d.tokens[i])
+            else:  # plain forwards do not index their tokens: the state catches up when the row drafts
+                d.states[i].extend(d.tokens[i][len(d.states[i].tokens) - len(prompt.ids) :])
             if i in ready and not arm.nodes:  # deterministic drafter: a shorter draft is a prefix of a longer one
                 r = ready[i]
                 out[i] = Draft(r.tokens[:n], r.alternatives[: n + 1], r.backoff[: n + 1])
                 continue
-            if d.states[i] is None:
-                prompt = prompts[d.rows[i][0]]
-                d.states[i] = self.drafter.start(prompt.id, prompt.ids + d.tokens[i])
             out[i] = self._propose(d.states[i], n, arm.nodes, stats, memo)
         return out
 
@@ -413,8 +415,6 @@ class TorchRolloutEngine:
             d.tokens[i].extend(new)
             d.logps[i].extend(new_logp)
             committed_now += len(new)
-            if d.states[i] is not None:
-                d.states[i].extend(new)
             if new[-1] == eos or len(d.tokens[i]) >= params.max_new_tokens:
                 d.done[i] = True
                 continue
@@ -489,7 +489,7 @@ class _Decoding:
     tokens: list  # completion tokens so far
     logps: list  # their log-probs
     done: list
-    states: list  # a row's drafter state, made when it first drafts (plain forwards need none)
+    states: list  # a row's drafter state, made when it first drafts and caught up whenever it drafts again
     # per row, the most it drafts next: twice what its last draft got committed (its accepted
     # tokens + 1), so a row whose drafts keep failing costs the forward few extra positions
     cap: list
