@@ -10,7 +10,7 @@ measured rates from batch to batch; one unmeasured round per engine comes first 
 allocations, the controller's first choices). Workloads:
 
     demo           the demo policy (recipes/demo.yaml, freshly initialised) on the demo's prompts,
-                   32 prompts x 8 samples x 16 tokens at temperature 1: outputs close to uniform,
+                   32 prompts x 8 samples x 16 tokens at temperature 1, 61 rounds: outputs close to uniform,
                    so drafts are rarely accepted and drafting must simply not cost anything.
     qwen2-0.5b     (built-in engine) a decoder shaped like Qwen2-0.5B (24 layers, hidden 896, 14 heads, 2 KV heads,
                    MLP 4864; random weights, vocabulary = the trace's tokens) whose sampled tokens are

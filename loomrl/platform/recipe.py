@@ -66,6 +66,7 @@ from loomrl.platform.engines.config import (
     MegatronConfig,
     TrainingConfig,
     WarmupConfig,
+    frozen_parts,
 )
 from loomrl.platform.rewards.config import RewardSourceConfig, resolve_callable
 from loomrl.platform.rollout import ROLLOUT_ENGINES
@@ -276,7 +277,7 @@ def validate_freeze(r: Recipe) -> None:
     for i, part in enumerate(t.freeze):
         if part in t.freeze[:i]:
             raise RecipeError(f"training.freeze[{i}]: {part!r} is listed twice")
-    frozen = set(t.freeze) | (set(ENCODER_PARTS) if r.model.encoders.frozen else set())
+    frozen = frozen_parts(t.freeze, r.model.encoders.frozen)
     also = " (with model.encoders.frozen: " + ", ".join(ENCODER_PARTS) + ")" if r.model.encoders.frozen else ""
     if frozen >= set(FREEZE_PARTS):
         raise RecipeError(

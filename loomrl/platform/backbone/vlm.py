@@ -5,24 +5,22 @@ Which towers exist: the demo (no `model.init_from`) has both; a checkpoint has i
 started from it has the checkpoint's parameters and no random extras. An absent tower is
 None, and a prompt with its medium is refused.
 
-Prompts carry `<image>` / `<audio>` markers; `prompt_ids` expands each marker
-into the model's media tokens (`tokenizer.media_layout`: the demo's own marker
-token, or a checkpoint's `<|vision_start|>` + placeholders + `<|vision_end|>`)
-with as many placeholder tokens as the medium's encoding has, and `embed`
-splices the encodings into those positions (row-major, as transformers'
-Qwen2-VL does with masked_scatter), so gradients reach the encoders.
+Prompts carry `<image>` / `<audio>` markers; `prompt_ids` expands each marker into the model's media
+tokens (`tokenizer.media_layout`: the demo's own marker token, or a checkpoint's `<|vision_start|>`
++ placeholders + `<|vision_end|>`) with as many placeholder tokens as the medium's encoding has, and
+`embed` splices the encodings into those positions (row-major, as transformers' Qwen2-VL does with
+masked_scatter), so gradients reach the encoders.
 
 With `model.init_from` the vocabulary is the checkpoint's (its embedding may have
 more rows than the tokenizer has tokens; those rows are never sampled nor scored),
 and a decoder with M-RoPE gets (t, h, w) positions for image tokens (`mrope.py`).
 
-`encode` runs the towers once per distinct medium (loomrl.encoders.cache):
-requests without a gradient through a tower (rollouts, old/reference log-probs,
-a tower with no trainable weight) are served from and stored in a bounded LRU
-keyed by content hash, preprocessing, tower identity and weights version. The
-cache holds raw tower output: for images the vision merger's output (the merger
-is part of the tower, so a trainable merger keeps images out of the cache), for
-clips the audio tower's output before the projector (which may train either way).
+`encode` runs the towers once per distinct medium (loomrl.encoders.cache): requests without a
+gradient through a tower (rollouts, old/reference log-probs, a tower with no trainable weight) are
+served from and stored in a bounded LRU keyed by content hash, preprocessing, tower identity and
+weights version. The cache holds raw tower output: for images the vision merger's output (the merger
+is part of the tower, so a trainable merger keeps images out of the cache), for clips the audio
+tower's output before the projector (which may train either way).
 
 Freezing (`freeze`, by part: vision, merger, audio, audio_projector, language_model,
 embeddings; `parameter_parts` says which weights each holds): a frozen part's weights
@@ -52,7 +50,7 @@ from loomrl.platform.backbone.lora import apply_lora
 from loomrl.platform.backbone.mrope import rope_index
 from loomrl.platform.backbone.rounding import Regions
 from loomrl.platform.backbone.tokenizer import readable_media
-from loomrl.platform.engines.config import ENCODER_PARTS, FREEZE_PARTS
+from loomrl.platform.engines.config import ENCODER_PARTS, FREEZE_PARTS, frozen_parts
 from loomrl.platform.placement import to_device, to_host
 
 # Encodings for `embed`: by Medium.key (deduplicated), or one per media placement, row-major (naive).
@@ -164,13 +162,15 @@ class VLM(nn.Module):
         self.frozen.update(parts)
         self.apply_frozen()
 
+    def frozen_parts(self) -> set[str]:
+        """The parts the recipe freezes: those named to `freeze` and, with model.encoders.frozen, the towers."""
+        return frozen_parts(self.frozen, self.cfg.encoders.frozen)
+
     def apply_frozen(self) -> None:
-        """(Re)apply the frozen parts: those named to `freeze` and, with model.encoders.frozen,
-        the towers (vision, merger, audio, of those the model has). Called again when a tower
-        is replaced (encoders.hf_checkpoint.attach_towers)."""
-        names = self.frozen | (set(ENCODER_PARTS) if self.cfg.encoders.frozen else set())
+        """(Re)apply `frozen_parts` (requires_grad off); called again when a tower is replaced
+        (encoders.hf_checkpoint.attach_towers)."""
         for part, params in self.parameter_parts().items():
-            if part in names:
+            if part in self.frozen_parts():
                 for p in params:
                     p.requires_grad_(False)
         self.train(self.training)
@@ -364,9 +364,9 @@ class VLM(nn.Module):
             for kind in identity
         }
         version = tuple(weights_version(t) for t in self.tower_modules())
-        # Towers frozen by the recipe (a reference copy decides alike): entries outlive the step, so each
-        # is encoded alone (a matmul's bits depend on its rows): a resumed run's empty cache recomputes them.
-        lasting = self.cfg.encoders.frozen or set(ENCODER_PARTS) <= self.frozen
+        # towers the recipe freezes (not requires_grad: a reference copy decides alike) keep their entries
+        # past the step, so each is encoded alone (a matmul's bits depend on its rows): a resume recomputes them
+        lasting = set(ENCODER_PARTS) <= self.frozen_parts()
 
         def cache_key(m: Medium) -> tuple[tuple, tuple]:
             return (m.hash, m.prep, identity[m.kind]), version

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Iterable, Literal
 
 from loomrl.config.schema import SEED_MAX, choice, ranged
 from loomrl.platform.engines.base import TRAINING_ENGINES
@@ -77,6 +77,12 @@ FREEZE_PARTS: tuple[str, ...] = typing.get_args(FreezePart)
 ENCODER_PARTS = ("vision", "merger", "audio")
 """What `model.encoders.frozen` freezes: both towers, the vision merger included (the audio
 projector, applied after the encoding cache, still trains)."""
+
+
+def frozen_parts(freeze: Iterable[str], encoders_frozen: bool) -> set[str]:
+    """The parts a recipe freezes: those `training.freeze` names, and with `model.encoders.frozen`
+    the towers (ENCODER_PARTS)."""
+    return set(freeze) | (set(ENCODER_PARTS) if encoders_frozen else set())
 
 
 @dataclass
