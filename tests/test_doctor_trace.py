@@ -72,13 +72,18 @@ def check_vllm_first_divergence(first, amx_bf16: bool, rotary_rounds_to_nearest:
     not reproduce, so the first difference must enter at an attention region: every region before
     it (each norm, projection and RoPE of that layer and of every layer before, the embedding) is
     bit for bit, and a difference first seen at a norm, after the last layer or in the logits is a
-    failure. Where vLLM's rotary op truncates (no AVX512-BF16), layer 0's RoPE is where it parts."""
+    failure. Without AVX512-BF16 vLLM loads another `_C` build, whose kernels the profile does not
+    reproduce: its rotary op truncates (layer 0's RoPE is where it parts) or, where its rotary agrees,
+    its SiLU-and-mul or attention kernel differs first (an AVX-512 CPU without BF16, 2026-12-07: layer
+    1's swiglu, 2e-6); never a norm, a projection, the logits, nor a RoPE after layer 0's agreed."""
     if amx_bf16:
         assert first is None, first
     elif rotary_rounds_to_nearest:
         assert first is None or (first["layer"] >= 0 and first["region"] == "attention"), first
     else:
-        assert first is not None and (first["layer"], first["region"]) == (0, "rope"), first
+        assert first is not None, "no difference from a _C build whose kernels the profile does not reproduce"
+        where = (first["layer"], first["region"])
+        assert where == (0, "rope") or (first["layer"] >= 0 and first["region"] in ("swiglu", "attention")), first
 
 
 @pytest.fixture()
@@ -144,7 +149,8 @@ def test_trace_fallback_lets_a_difference_enter_only_at_attention():
     for layer, region in [(0, "attention"), (1, "attention")]:
         check_vllm_first_divergence({"layer": layer, "region": region}, False, True)
     check_vllm_first_divergence(None, False, True)
-    check_vllm_first_divergence({"layer": 0, "region": "rope"}, False, False)
+    for layer, region in [(0, "rope"), (1, "swiglu"), (0, "attention")]:
+        check_vllm_first_divergence({"layer": layer, "region": region}, False, False)
     for layer, region, rounds_to_nearest in [
         (0, "rope", True),
         (0, "post_norm", True),
@@ -152,10 +158,14 @@ def test_trace_fallback_lets_a_difference_enter_only_at_attention():
         (1, "input_norm", True),
         (-1, "final_norm", True),
         (-1, "logits", True),
-        (0, "attention", False),
         (1, "rope", False),
+        (0, "post_norm", False),
+        (1, "mlp", False),
+        (-1, "logits", False),
     ]:
         with pytest.raises(AssertionError):
             check_vllm_first_divergence({"layer": layer, "region": region}, False, rounds_to_nearest)
     with pytest.raises(AssertionError):
         check_vllm_first_divergence({"layer": 0, "region": "attention"}, True, True)
+    with pytest.raises(AssertionError):
+        check_vllm_first_divergence(None, False, False)
