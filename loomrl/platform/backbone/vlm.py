@@ -169,10 +169,10 @@ class VLM(nn.Module):
     def apply_frozen(self) -> None:
         """(Re)apply `frozen_parts` (requires_grad off); called again when a tower is replaced
         (encoders.hf_checkpoint.attach_towers)."""
-        for part, params in self.parameter_parts().items():
-            if part in self.frozen_parts():
-                for p in params:
-                    p.requires_grad_(False)
+        parts = self.parameter_parts()
+        for part in self.frozen_parts() & parts.keys():
+            for p in parts[part]:
+                p.requires_grad_(False)
         self.train(self.training)
 
     def part_counts(self) -> dict[str, tuple[int, int]]:
