@@ -236,18 +236,26 @@ def test_adaptive_drafting_in_vllm_climbs_where_it_pays(adaptive, plain, prompts
 
 
 def test_steps_without_drafts_sample_as_plain_decoding(monkeypatch, plain, drafting, prompts):
-    """A step where no row has a draft (the controller chose plain decoding) skips the rejection
-    sampler (`vllm_shims.plain_sampling_without_drafts`) and samples what plain decoding samples."""
+    """A step where no row has a draft (the controller chose plain decoding) runs as a plain step
+    (`vllm_shims.plain_steps_without_drafts`): no speculative metadata, no rejection sampler, no
+    scheduler update of empty drafts; it samples what plain decoding samples."""
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.sample import rejection_sampler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from loomrl.platform.rollout.vllm_proposer import NgramRLProposer
 
     monkeypatch.setattr(NgramRLProposer, "propose", lambda self, sampled, *a, **kw: [[] for _ in sampled])
 
-    def fail(*a, **kw):
-        raise AssertionError("the rejection sampler ran for a step without drafts")
+    def fail(what):
+        def raise_(*a, **kw):
+            raise AssertionError(f"{what} ran for a step without drafts")
 
-    monkeypatch.setattr(rejection_sampler, "rejection_sample", fail)
+        return raise_
+
+    monkeypatch.setattr(rejection_sampler, "rejection_sample", fail("the rejection sampler"))
+    monkeypatch.setattr(GPUModelRunner, "_calc_spec_decode_metadata", fail("the speculative metadata"))
+    monkeypatch.setattr(Scheduler, "update_draft_token_ids", fail("the scheduler's draft update"))
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12)
     want = plain.generate(prompts, params, torch.Generator().manual_seed(5)).rollouts
     got = drafting.generate(prompts, params, torch.Generator().manual_seed(5)).rollouts

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import re
 import time
+from itertools import compress
 from typing import Optional
 
 import torch
@@ -57,7 +58,7 @@ class NgramRLProposer:
 
         # built in vLLM's worker after its kernels are registered: sampled drafts verify exactly
         vllm_shims.fix_spec_sampling()
-        vllm_shims.plain_sampling_without_drafts()  # a step the controller runs plain costs a plain step
+        vllm_shims.plain_steps_without_drafts()  # a step the controller runs plain costs a plain step
         self.k = vllm_config.speculative_config.num_speculative_tokens
         m = vllm_config.model_config  # what a cost model depends on (draft_control.CostCache)
         import vllm
@@ -109,17 +110,20 @@ class NgramRLProposer:
     ) -> list[list[int]]:
         now = time.perf_counter()
         req_ids = self.runner.input_batch.req_ids if self.runner is not None else []
+        plain_rows = None  # after a plain step: this step's rows of loomrl's batch (request id -> 0)
         if self._step is not None:
-            self._account(now - self._step[0], self._step[1], self._step[2], req_ids, sampled_token_ids)
+            start, lengths_before, lookups = self._step
+            if any(lengths_before.values()):
+                self._account(now - start, lengths_before, lookups, req_ids, sampled_token_ids)
+            else:
+                plain_rows = self._account_plain(now - start, lengths_before, lookups, req_ids, sampled_token_ids)
+        else:
+            lengths_before = {}
         k = self.control.choose().k if self.control is not None else self.k
-        lengths_before = self._step[1] if self._step is not None else {}
         if k == 0:  # plain decoding this step: no lookups, and a request's state catches up when it next drafts
-            lengths = {
-                rid: 0
-                for rid, sampled in zip(req_ids, sampled_token_ids)
-                if len(sampled) and (rid in lengths_before or self._ours(rid))
-            }
-            self._step = (now, lengths, 0)
+            if plain_rows is None:
+                plain_rows = self._rows(lengths_before, req_ids, sampled_token_ids)
+            self._step = (now, plain_rows, 0)
             return [[] for _ in sampled_token_ids]
         drafts: list[list[int]] = []
         lengths: dict[str, int] = {}  # request id -> its draft length this step
@@ -145,16 +149,30 @@ class NgramRLProposer:
         self._step = (now, lengths, lookups)
         return drafts
 
+    def _rows(self, before: dict[str, int], req_ids, sampled_token_ids) -> dict[str, int]:
+        """The step's rows of loomrl's batch that decode (request id -> draft length 0)."""
+        decoding = list(compress(req_ids, map(len, sampled_token_ids)))
+        if all(map(before.__contains__, decoding)):  # no row joined: the usual step, in C loops
+            return dict.fromkeys(decoding, 0)
+        return {rid: 0 for rid in decoding if rid in before or self._ours(rid)}
+
+    def _account_plain(
+        self, seconds: float, rows: dict[str, int], lookups: int, req_ids, sampled_token_ids
+    ) -> dict[str, int]:
+        """`_account` for a step without drafts (nothing to tally; its rows, tokens and lookups for
+        the controller); returns this step's rows (`_rows`). Called on every plain step, so its
+        loops are C loops (map, compress), not a Python loop over the rows."""
+        counted = list(map(rows.__contains__, req_ids))
+        n = sum(counted)
+        if self.control is not None and n:
+            tokens = sum(map(len, compress(sampled_token_ids, counted)))
+            self.control.observe(seconds, n, [0] * self.k, tokens, n, lookups)
+        return self._rows(rows, req_ids, sampled_token_ids)
+
     def _account(self, seconds: float, lengths: dict[str, int], lookups: int, req_ids, sampled_token_ids) -> None:
         """The last step's drafts as verified (this call's sampled tokens: vLLM learns that a request
         finished only after this call, so its last step is here too): counted into `tally`, and,
         with `adaptive`, the controller's view of the step: its rows, their accepted drafts, its time."""
-        if not any(lengths.values()):  # a plain step: nothing to tally, its rows and tokens for the controller
-            if self.control is not None:
-                counted = [len(s) for rid, s in zip(req_ids, sampled_token_ids) if rid in lengths]
-                if counted:
-                    self.control.observe(seconds, len(counted), [0] * self.k, sum(counted), len(counted), lookups)
-            return
         accepted = [0] * self.k  # rows with draft positions 0..i accepted
         rows = tokens = positions = 0
         t = self.tally
