@@ -360,3 +360,41 @@ def test_the_runs_first_forward_does_not_enter_the_fit():
             c.observe(seconds, ROWS - f, [0] * k, 0, positions, lookups)
         fits.append(c.model)
     assert fits[0] == pytest.approx(fits[1], rel=1e-9)
+
+
+def test_vllm_proposer_counts_each_plain_step_as_a_python_loop_would():
+    """The vLLM proposer's plain steps count their rows and tokens with C-level passes
+    (`_account_plain`, `_rows`); the controller must see what a plain loop over the rows counts:
+    rows of loomrl's batch that decoded at the last step (a prompt chunk, with no sampled token,
+    is not one; another batch's or a foreign request is not one), and their sampled tokens now."""
+    from loomrl.platform.rollout.vllm_proposer import NgramRLProposer, request_id
+
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def choose(self):
+            return Choice(0)
+
+        def observe(self, seconds, rows, accepted, tokens, positions, lookups):
+            self.seen.append((rows, tokens, positions, lookups))
+
+    p = NgramRLProposer.__new__(NgramRLProposer)
+    p.k, p.drafter, p.control, p.batch, p.prompts, p.states, p.caps, p._step = 4, None, Recorder(), 3, [], {}, {}, None
+    rng = random.Random(0)
+    pool = [request_id(3, i // 4, i % 4) for i in range(40)] + [request_id(2, 0, 0), "foreign-7"]
+    running: list[str] = []
+    before: dict[str, int] = {}
+    want = []
+    for step in range(60):
+        running = [r for r in running if rng.random() > 0.1] + rng.sample([r for r in pool if r not in running], 3)
+        rng.shuffle(running)
+        sampled = [[] if rng.random() < 0.15 else [rng.randrange(50)] for _ in running]
+        p.runner = type("Runner", (), {"input_batch": type("Batch", (), {"req_ids": running})})()
+        if step:  # the last step's rows, counted now (plain Python)
+            counted = [len(s) for r, s in zip(running, sampled) if r in before]
+            if counted:
+                want.append((len(counted), sum(counted), len(counted), 0))
+        before = {r: 0 for r, s in zip(running, sampled) if s and (r in before or r.startswith("lrl:3:"))}
+        assert p.propose(sampled, None, None) == [[] for _ in running]
+    assert p.control.seen == want and len(want) > 50
