@@ -5,6 +5,7 @@ it chooses leave the sampled tokens, and so their distribution, as without draft
 import fcntl
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -366,7 +367,8 @@ def test_vllm_proposer_counts_each_plain_step_as_a_python_loop_would():
     """The vLLM proposer's plain steps count their rows and tokens with C-level passes
     (`_account_plain`, `_rows`); the controller must see what a plain loop over the rows counts:
     rows of loomrl's batch that decoded at the last step (a prompt chunk, with no sampled token,
-    is not one; another batch's or a foreign request is not one), and their sampled tokens now."""
+    is not one; another batch's or a foreign request is not one), and their sampled tokens now.
+    Stretches where rows only leave and all decode take the proposer's shortcut (every row counts)."""
     from loomrl.platform.rollout.vllm_proposer import NgramRLProposer, request_id
 
     class Recorder:
@@ -379,22 +381,30 @@ def test_vllm_proposer_counts_each_plain_step_as_a_python_loop_would():
         def observe(self, seconds, rows, accepted, tokens, positions, lookups):
             self.seen.append((rows, tokens, positions, lookups))
 
-    p = NgramRLProposer.__new__(NgramRLProposer)
+    p = NgramRLProposer.__new__(NgramRLProposer)  # (__init__ wants vLLM's config)
     p.k, p.drafter, p.control, p.batch, p.prompts, p.states, p.caps, p._step = 4, None, Recorder(), 3, [], {}, {}, None
+    p._zeros, p._empty = [0] * 4, []
     rng = random.Random(0)
     pool = [request_id(3, i // 4, i % 4) for i in range(40)] + [request_id(2, 0, 0), "foreign-7"]
     running: list[str] = []
     before: dict[str, int] = {}
     want = []
-    for step in range(60):
-        running = [r for r in running if rng.random() > 0.1] + rng.sample([r for r in pool if r not in running], 3)
-        rng.shuffle(running)
-        sampled = [[] if rng.random() < 0.15 else [rng.randrange(50)] for _ in running]
-        p.runner = type("Runner", (), {"input_batch": type("Batch", (), {"req_ids": running})})()
+    usual = 0  # steps where rows only left and every row decoded (the proposer's shortcut)
+    for step in range(120):
+        if step % 12 < 6:  # rows join (some of them ones that left before), prompt chunks, foreign rows
+            running = [r for r in running if rng.random() > 0.1] + rng.sample([r for r in pool if r not in running], 3)
+            rng.shuffle(running)
+            sampled = [[] if rng.random() < 0.15 else [rng.randrange(50)] for _ in running]
+        else:  # the usual stretch: loomrl's rows decode, some finish, the rest move into their places
+            running = [r for r in running if r in before and rng.random() > 0.2]
+            running = running[::-1] if step % 2 else running
+            sampled = [[] if rng.random() < 0.01 else [rng.randrange(50)] for _ in running]  # (rarely, none)
+            usual += step % 12 > 6 and [] not in sampled
+        p.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=running))
         if step:  # the last step's rows, counted now (plain Python)
             counted = [len(s) for r, s in zip(running, sampled) if r in before]
             if counted:
                 want.append((len(counted), sum(counted), len(counted), 0))
         before = {r: 0 for r, s in zip(running, sampled) if s and (r in before or r.startswith("lrl:3:"))}
         assert p.propose(sampled, None, None) == [[] for _ in running]
-    assert p.control.seen == want and len(want) > 50
+    assert p.control.seen == want and len(want) > 100 and usual > 40

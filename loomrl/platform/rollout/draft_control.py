@@ -319,9 +319,10 @@ class DraftController:
         lookups; accepted[i] rows had draft positions 0..i accepted, and it committed `tokens`."""
         i = self._pending
         arm = self.arms[i]
-        for p in range(len(self.offered) if not arm.nodes else 0):
-            self.offered[p] = ACCEPT_DECAY * self.offered[p] + (rows if p < arm.k else 0)
-            self.accepted[p] = ACCEPT_DECAY * self.accepted[p] + (accepted[p] if p < min(arm.k, len(accepted)) else 0)
+        if not arm.nodes:  # (list comprehensions: this runs on every forward, plain ones included)
+            kept = min(arm.k, len(accepted))
+            self.offered = [ACCEPT_DECAY * o + (rows if p < arm.k else 0) for p, o in enumerate(self.offered)]
+            self.accepted = [ACCEPT_DECAY * a + (accepted[p] if p < kept else 0) for p, a in enumerate(self.accepted)]
         work = Work(i, self.forwards, max(rows, 1), positions, lookups, tokens, seconds)
         self.forwards += 1
         self.rows_now = work.rows

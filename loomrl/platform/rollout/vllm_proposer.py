@@ -78,8 +78,10 @@ class NgramRLProposer:
         self.states: dict[str, DraftState] = {}  # request id -> its draft state
         self.caps: dict[str, int] = {}  # request id -> its longest next draft (adaptive)
         self.tally = _tally(self.k)  # drafts verified since the last `rpc_end_batch`
-        # the last step: its start, draft length per request, lookups
-        self._step: Optional[tuple[float, dict[str, int], int]] = None
+        # the last step: its start, draft length per request, lookups, whether any row drafted
+        self._step: Optional[tuple[float, dict[str, int], int, bool]] = None
+        self._zeros = [0] * self.k  # a plain step's accepted drafts by position
+        self._empty: list[list[int]] = []  # a plain step's drafts: one empty list per row
 
     def load_model(self, *args, **kwargs) -> None:
         """No model: the drafter lives on the host, built from finished rollouts."""
@@ -112,8 +114,8 @@ class NgramRLProposer:
         req_ids = self.runner.input_batch.req_ids if self.runner is not None else []
         plain_rows = None  # after a plain step: this step's rows of loomrl's batch (request id -> 0)
         if self._step is not None:
-            start, lengths_before, lookups = self._step
-            if any(lengths_before.values()):
+            start, lengths_before, lookups, drafted = self._step
+            if drafted:
                 self._account(now - start, lengths_before, lookups, req_ids, sampled_token_ids)
             else:
                 plain_rows = self._account_plain(now - start, lengths_before, lookups, req_ids, sampled_token_ids)
@@ -123,8 +125,12 @@ class NgramRLProposer:
         if k == 0:  # plain decoding this step: no lookups, and a request's state catches up when it next drafts
             if plain_rows is None:
                 plain_rows = self._rows(lengths_before, req_ids, sampled_token_ids)
-            self._step = (now, plain_rows, 0)
-            return [[] for _ in sampled_token_ids]
+            self._step = (now, plain_rows, 0, False)
+            n = len(sampled_token_ids)
+            if len(self._empty) < n:
+                self._empty = [[] for _ in range(n)]
+            # kept from step to step: vLLM hands empty drafts to no one (vllm_shims 4.), nor changes them
+            return self._empty if len(self._empty) == n else self._empty[:n]
         drafts: list[list[int]] = []
         lengths: dict[str, int] = {}  # request id -> its draft length this step
         lookups = 0
@@ -146,7 +152,7 @@ class NgramRLProposer:
         for rid in [r for r in self.states if r not in lengths]:
             del self.states[rid]  # finished requests
             self.caps.pop(rid, None)
-        self._step = (now, lengths, lookups)
+        self._step = (now, lengths, lookups, any(lengths.values()))
         return drafts
 
     def _rows(self, before: dict[str, int], req_ids, sampled_token_ids) -> dict[str, int]:
@@ -162,6 +168,14 @@ class NgramRLProposer:
         """`_account` for a step without drafts (nothing to tally; its rows, tokens and lookups for
         the controller); returns this step's rows (`_rows`). Called on every plain step, so its
         loops are C loops (map, compress), not a Python loop over the rows."""
+        if all(map(rows.__contains__, req_ids)) and [] not in sampled_token_ids:
+            # the usual step: no row joined and every row decoded (rows only leave, as they finish),
+            # so every row counts, each with one token (no drafts were scheduled), and is a row of
+            # the next step
+            n = len(req_ids)
+            if self.control is not None and n:
+                self.control.observe(seconds, n, self._zeros, n, n, lookups)
+            return rows if len(rows) == n else dict.fromkeys(req_ids, 0)
         counted = list(map(rows.__contains__, req_ids))
         n = sum(counted)
         if self.control is not None and n:
