@@ -18,7 +18,7 @@ allocations, the controller's first choices). Workloads:
                    T = 0.6 on HumanEval): acceptance is what those rollouts give, and each forward
                    costs what it costs at that size. The prompts' earlier rounds fill the histories;
                    the measured batches are the last round's samples.
-    vllm-demo      the demo workload in vLLM (81 rounds): the same controller runs inside loomrl's
+    vllm-demo      the demo workload in vLLM (121 rounds): the same controller runs inside loomrl's
                    vLLM proposer and chooses each scheduler step's draft length.
     vllm-qwen2-0.5b-greedy
                    the Qwen2-0.5B-shaped policy in vLLM, decoding greedily (n = 1) 6 prompts of the
@@ -107,10 +107,10 @@ def demo_workload(prompts: int = 32, rounds: int = 61, engine: str = "torch") ->
     return Workload("demo", model.eval(), [batch] * rounds, params, engine=engine)
 
 
-def vllm_demo_workload(prompts: int = 32, rounds: int = 81) -> Workload:
-    """The demo workload in vLLM (81 rounds of four runs, about 3 minutes here). A batch's ratio
-    varies by about 10% on a 2-core CPU, even between two plain engines, so the median of 40
-    batches moved by about 2% from run to run; of 80, by about 1.4%."""
+def vllm_demo_workload(prompts: int = 32, rounds: int = 121) -> Workload:
+    """The demo workload in vLLM (121 rounds of four runs, about 4 minutes here). A batch's ratio
+    varies by about 10% on a 2-core CPU, even between two plain engines doing the same work, so the
+    median of 40 batches moved by about 2% from run to run, of 80 by about 1.4%; of 120, ~1.1%."""
     return demo_workload(prompts, rounds, engine="vllm")
 
 
