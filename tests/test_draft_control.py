@@ -408,3 +408,28 @@ def test_vllm_proposer_counts_each_plain_step_as_a_python_loop_would():
         before = {r: 0 for r, s in zip(running, sampled) if s and (r in before or r.startswith("lrl:3:"))}
         assert p.propose(sampled, None, None) == [[] for _ in running]
     assert p.control.seen == want and len(want) > 100 and usual > 40
+
+
+def test_vllm_runs_of_one_model_share_a_cost_model_whatever_its_folder():
+    """loomrl serves each run's policy to vLLM from a new temporary folder: the cost cache's key must
+    not contain it (two runs of one seed adopt one fit, so they choose the same draft lengths), and
+    must still tell models of another shape apart."""
+    from transformers import Qwen2Config
+
+    from loomrl.platform.rollout.vllm_proposer import workload
+
+    def config(folder: str, hidden: int = 64):
+        hf = Qwen2Config(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        hf._name_or_path = folder
+        model = SimpleNamespace(
+            model=folder, hf_config=hf, hf_text_config=hf, dtype=torch.float32, get_hidden_size=lambda: hidden
+        )
+        return SimpleNamespace(
+            model_config=model,
+            device_config=SimpleNamespace(device_type="cpu"),
+            speculative_config=SimpleNamespace(num_speculative_tokens=8),
+        )
+
+    a, b = workload(config("/tmp/loomrl-vllm-a1b2")), workload(config("/tmp/loomrl-vllm-c3d4"))
+    assert a == b and "loomrl-vllm" not in a
+    assert workload(config("/tmp/loomrl-vllm-a1b2", hidden=128)) != a

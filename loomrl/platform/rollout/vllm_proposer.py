@@ -34,6 +34,8 @@ one, and so commits its tokens.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import time
 from itertools import compress
@@ -53,6 +55,24 @@ def request_id(batch: int, prompt_index: int, sample: int) -> str:
     return f"lrl:{batch}:{prompt_index}:{sample}"
 
 
+def workload(vllm_config) -> str:
+    """What a cost model depends on (draft_control.CostCache): vLLM, torch, the device and its
+    kernels, threads, the model's configuration (not its folder: loomrl serves each run's policy
+    from a new temporary one, and two runs of one seed must adopt one fit), dtype, the longest draft."""
+    import vllm
+
+    m = vllm_config.model_config
+    device = vllm_config.device_config.device_type
+    kind = torch.cuda.get_device_name() if device == "cuda" else torch.backends.cpu.get_cpu_capability()
+    config = {k: v for k, v in m.hf_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    shape = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return (
+        f"vllm|{vllm.__version__}|torch={torch.__version__}|{device}|{kind}|threads={torch.get_num_threads()}"
+        f"|model={shape}|hidden={m.get_hidden_size()}|layers={m.hf_text_config.num_hidden_layers}|{m.dtype}"
+        f"|k={vllm_config.speculative_config.num_speculative_tokens}"
+    )
+
+
 class NgramRLProposer:
     def __init__(self, vllm_config):
 
@@ -60,16 +80,7 @@ class NgramRLProposer:
         vllm_shims.fix_spec_sampling()
         vllm_shims.plain_steps_without_drafts()  # a step the controller runs plain costs a plain step
         self.k = vllm_config.speculative_config.num_speculative_tokens
-        m = vllm_config.model_config  # what a cost model depends on (draft_control.CostCache)
-        import vllm
-
-        device = vllm_config.device_config.device_type
-        if device == "cuda":
-            device = torch.cuda.get_device_name()
-        self.workload = (
-            f"vllm|{vllm.__version__}|torch={torch.__version__}|{device}|{m.model}|hidden={m.get_hidden_size()}"
-            f"|layers={m.hf_text_config.num_hidden_layers}|{m.dtype}|k={self.k}"
-        )
+        self.workload = workload(vllm_config)
         self.drafter: Optional[NgramDrafter] = None
         self.control: Optional[DraftController] = None  # rollout.drafter.adaptive
         self.runner = None
