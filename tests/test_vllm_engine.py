@@ -61,6 +61,13 @@ def adaptive(request, tokenizer):
     return _engine(request, model, drafter_cfg=DrafterConfig(enabled=True), temperature=0.0)
 
 
+@pytest.fixture(scope="session")
+def adaptive_again(request, tokenizer):
+    """A second engine of `adaptive`'s model and drafter, as a second run of the seed builds it."""
+    model = build_policy(CFG, tokenizer, seed=0)
+    return _engine(request, model, drafter_cfg=DrafterConfig(enabled=True), temperature=0.0)
+
+
 @pytest.fixture()
 def prompts(samples):
     return [Prompt(s.id, s.ids, s.media) for s in samples[:3]]  # image, audio, both
@@ -233,6 +240,17 @@ def test_adaptive_drafting_in_vllm_climbs_where_it_pays(adaptive, plain, prompts
     assert state["drafter"]["draft_control"]["best"] > 0
     engine.load_state_dict(state)
     assert engine.state_dict()["drafter"] == state["drafter"]
+
+
+def test_two_runs_of_one_model_adopt_one_cost_model(adaptive, adaptive_again):
+    """Each engine serves its policy from a new temporary folder; the cost cache's key inside vLLM's
+    worker names the model by its configuration, so a second run of the seed adopts the first run's
+    fit (`draft_control.CostCache`) and chooses its draft lengths alike."""
+
+    def key(engine):
+        return engine.llm.collective_rpc(lambda worker: worker.model_runner.drafter.workload)[0]
+
+    assert key(adaptive) == key(adaptive_again) and "loomrl-vllm" not in key(adaptive)
 
 
 def test_steps_without_drafts_sample_as_plain_decoding(monkeypatch, plain, drafting, prompts):
