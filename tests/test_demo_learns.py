@@ -51,7 +51,9 @@ def rewards(tmp_path, name, demo_shards, extra=()):
 
 
 @pytest.mark.parametrize(
-    "extra", [["training.warmup.steps=60"], ["model.lora.rank=8", "training.steps=60", "training.warmup.steps=60"]], ids=["full", "lora"]
+    "extra",
+    [["training.warmup.steps=60"], ["model.lora.rank=8", "training.steps=60", "training.warmup.steps=60"]],
+    ids=["full", "lora"],
 )
 def test_demo_rl_raises_the_reward_above_a_control_that_does_not_learn(tmp_path, demo_shards, extra):
     """`full`: 60 warm-up steps, not 100: with the recipe's grad_clip 0.5 the 100-step warm-up

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from loomrl.cli import main
 from loomrl.platform import recipe as R
+from loomrl.platform.backbone.config import LoRAConfig
 from loomrl.platform.backbone.decoder import Decoder
 from loomrl.platform.backbone.lora import LoRALinear, merge_into, merged, merged_state_dict
 from loomrl.platform.backbone.vlm import build_policy
@@ -51,7 +52,7 @@ def test_at_init_the_lora_policy_is_the_base_model_exactly(samples):
     assert all(isinstance(getattr(layer.self_attn, n), LoRALinear) for layer in layers for n in TARGETS[:4])
     assert all(isinstance(getattr(layer.mlp, n), LoRALinear) for layer in layers for n in TARGETS[4:])
     q = layers[0].self_attn.q_proj
-    assert q.lora_A.shape == (8, 64) and q.lora_B.shape == (64, 8) and q.scale == 16 / 8
+    assert q.lora_A.shape == (8, 64) and q.lora_B.shape == (64, 8) and q.scale == 64 / 8  # the demo recipe's alpha
     assert q.lora_A.abs().sum() > 0 and q.lora_B.abs().sum() == 0  # A random, B zero
     # the base weights are the same draw as without LoRA, under the same names
     base_state, lora_state = base.state_dict(), lora.state_dict()
@@ -289,13 +290,14 @@ def test_lora_config_round_trips_through_the_recipe_dump(tmp_path):
     again = R.load_recipe(tmp_path / "r.yaml", files=False)
     assert dataclasses.asdict(again.model.lora) == {
         "rank": 16,
-        "alpha": 16.0,
+        "alpha": 64.0,  # the demo recipe's
         "dropout": 0.1,
         "targets": ["q_proj", "v_proj"],
     }
     assert dataclasses.asdict(_recipe().model.lora) == {
         "rank": 0,
-        "alpha": 16.0,
+        "alpha": 64.0,
         "dropout": 0.0,
         "targets": list(TARGETS),
     }
+    assert LoRAConfig().alpha == 16.0  # LoRA's own default; the demo recipe sets 64 (docs/demo.md#lora)
