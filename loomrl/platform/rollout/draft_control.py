@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 import numpy as np
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,13 @@ def fit_cost(work: list[Work]) -> CostModel:
 
 
 CACHE_KEYS = 256  # workloads a cache keeps (the oldest dropped first)
+
+
+def machine(device_type: str, device=None) -> str:
+    """The machine part of a cost cache key (CostCache): the device type, its kind (the GPU's name,
+    or the CPU kernels torch dispatches to) and torch's threads."""
+    kind = torch.cuda.get_device_name(device) if device_type == "cuda" else torch.backends.cpu.get_cpu_capability()
+    return f"{device_type}|{kind}|threads={torch.get_num_threads()}"
 
 
 def cache_path() -> Path:

@@ -39,7 +39,7 @@ from loomrl.platform.backbone.vlm import VLM
 from loomrl.platform.placement import to_device, to_host
 from loomrl.platform.rollout.base import ROLLOUT_ENGINES, Prompt, Rollout, RolloutResult, SamplingParams
 from loomrl.platform.rollout.config import DrafterConfig
-from loomrl.platform.rollout.draft_control import Choice, CostCache, DraftController
+from loomrl.platform.rollout.draft_control import Choice, CostCache, DraftController, machine
 from loomrl.platform.rollout.drafter import Draft, NgramDrafter, Tree
 from loomrl.platform.rollout.prefetch import FanoutPrefetcher
 from loomrl.platform.rollout.sampling import sampled_logprobs, target_distribution
@@ -177,13 +177,12 @@ class TorchRolloutEngine:
         """What a cost model depends on (draft_control.CostCache): engine, torch version, device and
         kernels, threads, the model's shapes, the longest draft, trees, the prefetch thread."""
         dev = self.model.device
-        kind = torch.cuda.get_device_name(dev) if dev.type == "cuda" else torch.backends.cpu.get_cpu_capability()
         shapes = hashlib.sha256(
             repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()]).encode()
         ).hexdigest()[:16]
         cfg = self.drafter_cfg
         return (
-            f"torch|{torch.__version__}|{dev.type}|{kind}|threads={torch.get_num_threads()}|model={shapes}"
+            f"torch|{torch.__version__}|{machine(dev.type, dev)}|model={shapes}"
             f"|k={cfg.k}|tree={cfg.tree_nodes}|prefetch={cfg.prefetch_budget}"
         )
 

@@ -45,7 +45,7 @@ import torch
 
 from loomrl.platform.rollout import vllm_shims
 from loomrl.platform.rollout.config import DrafterConfig
-from loomrl.platform.rollout.draft_control import CostCache, DraftController
+from loomrl.platform.rollout.draft_control import CostCache, DraftController, machine
 from loomrl.platform.rollout.drafter import DraftState, NgramDrafter
 
 REQUEST_ID = re.compile(r"lrl:(\d+):(\d+):(\d+)")
@@ -62,12 +62,10 @@ def workload(vllm_config) -> str:
     import vllm
 
     m = vllm_config.model_config
-    device = vllm_config.device_config.device_type
-    kind = torch.cuda.get_device_name() if device == "cuda" else torch.backends.cpu.get_cpu_capability()
     config = {k: v for k, v in m.hf_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     shape = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return (
-        f"vllm|{vllm.__version__}|torch={torch.__version__}|{device}|{kind}|threads={torch.get_num_threads()}"
+        f"vllm|{vllm.__version__}|torch={torch.__version__}|{machine(vllm_config.device_config.device_type)}"
         f"|model={shape}|hidden={m.get_hidden_size()}|layers={m.hf_text_config.num_hidden_layers}|{m.dtype}"
         f"|k={vllm_config.speculative_config.num_speculative_tokens}"
     )
